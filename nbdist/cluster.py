@@ -1,0 +1,264 @@
+"""The notebook-side face of the engines: start, run, execute, status, restart, stop.
+
+Everything is addressed by MPI rank, never by ipyparallel engine id (ids change after restarts and need not match
+ranks). `nbdist.current()` is the cluster the magics use; a notebook normally has one.
+"""
+from __future__ import annotations
+
+import atexit
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from nbdist import launch
+from nbdist.errors import DistError, DistUsageError
+from nbdist.options import ClusterOptions
+from nbdist.remote import SHOW_MODES, OutputRelay, Waiter
+
+_current: "Cluster | None" = None
+_running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
+
+
+def _engine_info() -> dict:
+    from nbdist.engine.boot import info
+
+    return info()
+
+
+@dataclass
+class Status:
+    """One row per rank; shows as a table in the notebook."""
+
+    rows: list[dict]
+    startup_seconds: float | None = None
+
+    COLUMNS = ("rank", "host", "pid", "device", "backend", "rss_mib")
+
+    def __str__(self) -> str:
+        header = ["rank", "host", "pid", "device", "backend", "memory"]
+        body = [[str(r["rank"]), r["host"], str(r["pid"]), r["device"], r["backend"], _memory(r)] for r in self.rows]
+        widths = [max(len(x) for x in col) for col in zip(header, *body)]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [header, *body]]
+        return "\n".join(lines + self._footer())
+
+    def _footer(self) -> list[str]:
+        if self.startup_seconds is None:
+            return []
+        return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in ("rank", "host", "pid", "device", "backend", "memory"))
+        rows = "".join(
+            "<tr>" + "".join(f"<td>{v}</td>" for v in (r["rank"], r["host"], r["pid"], r["device"], r["backend"], _memory(r))) + "</tr>"
+            for r in self.rows
+        )
+        foot = "".join(f"<p>{line}</p>" for line in self._footer())
+        return f"<table><tr>{head}</tr>{rows}</table>{foot}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _memory(row: dict) -> str:
+    text = f"{row['rss_mib']:.0f} MiB"
+    if "gpu_mib" in row:
+        text += f" (+{row['gpu_mib']:.0f} MiB GPU)"
+    return text
+
+
+class Cluster:
+    """An MPI world of ipyparallel engines with torch.distributed initialised on each.
+
+    Use `nbdist.start()` rather than constructing one; a Cluster is also a context manager that stops on exit.
+    """
+
+    def __init__(self, options: ClusterOptions):
+        self.options = options.resolved()
+        self._launched: launch.Launched | None = None
+        self._engine_of_rank: list[int] = []
+        self._info: list[dict] = []
+        self.startup_seconds: float | None = None
+
+    # -- life cycle -----------------------------------------------------------------------------------------------
+
+    def start(self) -> "Cluster":
+        started = time.perf_counter()
+        self._launched = launch.start(self.options)
+        try:
+            infos = self._launched.client[self._launched.engine_ids].apply_sync(_engine_info)
+        except BaseException:
+            self.stop()
+            raise
+        infos = sorted(zip(infos, self._launched.engine_ids), key=lambda pair: pair[0]["rank"])
+        self._info = [info for info, _ in infos]
+        self._engine_of_rank = [engine_id for _, engine_id in infos]
+        self.startup_seconds = time.perf_counter() - started
+        _running.add(self)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._launched is not None
+
+    @property
+    def world_size(self) -> int:
+        return len(self._engine_of_rank)
+
+    def stop(self) -> None:
+        """Stop every engine, the controller and mpiexec; nothing is left running."""
+        launched, self._launched = self._launched, None
+        _running.discard(self)
+        if launched is None:
+            return
+        try:
+            launched.client.close(linger=0)
+        except Exception:  # noqa: BLE001 - the processes are what matter
+            pass
+        launch.stop_processes(launched.cluster)
+
+    def restart(self) -> "Cluster":
+        """Fresh engines and process group with the same options (e.g. after a hang)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "Cluster":
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- work -----------------------------------------------------------------------------------------------------
+
+    def _require_running(self) -> launch.Launched:
+        if self._launched is None:
+            raise DistUsageError("the cluster is stopped: start it with %dist_start or nbdist.start()")
+        return self._launched
+
+    def _parse_ranks(self, ranks: Sequence[int] | str | None) -> list[int]:
+        if ranks is None or ranks == "all":
+            return list(range(self.world_size))
+        chosen = parse_rank_spec(ranks, self.world_size) if isinstance(ranks, str) else list(ranks)
+        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if bad or not chosen:
+            raise DistUsageError(f"ranks {ranks!r} are not in 0..{self.world_size - 1}")
+        return chosen
+
+    def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None) -> Waiter:
+        return Waiter(
+            ar=ar,
+            ranks=ranks,
+            pids={row["rank"]: (row["host"], row["pid"]) for row in self._info},
+            restart=self.restart,
+            engines_alive=self._engines_alive,
+            timeout=timeout,
+            relay=OutputRelay(ranks, show) if show is not None else None,
+        )
+
+    def _engines_alive(self) -> bool:
+        launched = self._launched
+        return launched is not None and all(es.state == "running" for es in launched.cluster.engines.values())
+
+    def _view(self, ranks: list[int]):
+        client = self._require_running().client
+        return client[[self._engine_of_rank[r] for r in ranks]]
+
+    def run(self, fn: Callable, *args: Any, ranks=None, timeout: float | None = None, **kwargs: Any) -> list:
+        """Call fn(*args, **kwargs) on each rank; return the results in rank order.
+
+        fn may be defined in a notebook cell (it is pickled with cloudpickle). Output printed by fn is shown from
+        rank 0; an exception on any rank raises DistError naming the rank, after freeing the others.
+        """
+        chosen = self._parse_ranks(ranks)
+        ar = self._view(chosen).apply_async(fn, *args, **kwargs)
+        return self._waiter(ar, chosen, timeout, show={chosen[0]}).wait()
+
+    def execute(self, code: str, ranks=None, timeout: float | None = None, output: str = "rank0") -> list:
+        """Run code (a cell's source) on the chosen ranks, like `%%dist`; outputs are labelled by rank."""
+        if output not in SHOW_MODES:
+            raise DistUsageError(f"--output must be one of {', '.join(SHOW_MODES)}, got {output!r}")
+        chosen = self._parse_ranks(ranks)
+        show = {"rank0": {chosen[0]}, "all": set(chosen), "none": set()}[output]
+        ar = self._view(chosen).execute(code, silent=False, block=False)
+        replies = self._waiter(ar, chosen, timeout, show=show).wait()
+        self._show_results(chosen, replies, show)
+        return replies
+
+    @staticmethod
+    def _show_results(ranks: list[int], replies: list, show: set[int]) -> None:
+        from IPython.display import publish_display_data
+
+        for rank, reply in zip(ranks, replies):
+            data = getattr(reply, "data", None)
+            if rank in show and data:
+                if set(data) == {"text/plain"}:
+                    print(f"[rank {rank}] Out: {data['text/plain']}")
+                else:
+                    publish_display_data(data)
+
+    def status(self) -> Status:
+        """Rank, host, pid, device, backend and memory of every engine (freshly measured)."""
+        rows = self.run(_engine_info)
+        self._info = rows
+        return Status(rows)
+
+    def __repr__(self) -> str:
+        state = f"{self.world_size} ranks" if self.running else "stopped"
+        return f"<nbdist.Cluster {state}, backend={self._info[0]['backend'] if self._info else self.options.backend}>"
+
+
+def parse_rank_spec(spec: str, world_size: int) -> list[int]:
+    """'all', '0', '0,2', '1-3' or '0,2-3' -> sorted rank list."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(world_size))
+    ranks: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            ranks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise DistUsageError(f"--ranks {spec!r}: expected 'all', '0', '0,2' or '1-3'") from None
+    return sorted(ranks)
+
+
+def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Cluster:
+    """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
+
+    Options: cpu, backend ("gloo" | "nccl"), timeout (start-up, seconds), mpi_args, collective_timeout.
+    A running cluster is kept (a note says so) unless `restart=True`.
+    """
+    global _current
+    if _current is not None and _current.running:
+        if not restart:
+            print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True replaces it)")
+            return _current
+        _current.stop()
+    if "mpi_args" in options:
+        options["mpi_args"] = tuple(options["mpi_args"])
+    try:
+        cluster = Cluster(ClusterOptions(n=n, **options))
+    except TypeError as e:
+        raise DistUsageError(f"unknown option: {e}") from None
+    _current = cluster.start()
+    return cluster
+
+
+def current() -> Cluster:
+    """The cluster started by `%dist_start` / `nbdist.start()`."""
+    if _current is None or not _current.running:
+        raise DistUsageError("no cluster is running: start one with %dist_start or nbdist.start()")
+    return _current
+
+
+def stop() -> None:
+    """Stop the current cluster, if any."""
+    if _current is not None:
+        _current.stop()
+
+
+def _stop_all() -> None:
+    for cluster in list(_running):
+        cluster.stop()
+
+
+atexit.register(_stop_all)

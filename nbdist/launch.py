@@ -1,0 +1,198 @@
+"""Starting and stopping the ipyparallel controller and the MPI engines, fast and without leftovers.
+
+ipyparallel's defaults are built for robustness on batch systems: a 1 s pause between controller and engines,
+a 3 s heartbeat that engines must answer before the hub counts them, a nanny process per engine, and a stop that
+waits politely. On one notebook's cluster those waits are most of the start-up time, so we:
+
+- launch the engines at the same moment as the controller (the engines import torch and join the process group
+  while the controller starts, then wait for its connection file);
+- beat the heart every 100 ms, so a registering engine is confirmed within a beat;
+- run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
+- stop by signalling the process groups of mpiexec and the controller at once.
+
+Every process we start carries a lifeline (see lifeline.py) to the notebook kernel.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import ipyparallel as ipp
+import psutil
+
+from nbdist.errors import DistError
+from nbdist.lifeline import WATCH_ENV
+from nbdist.options import ClusterOptions
+
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
+
+
+@dataclass
+class Launched:
+    """A running ipyparallel cluster and the client connected to it."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    engine_ids: list[int]
+
+
+def _engine_environment(options: ClusterOptions) -> dict[str, str]:
+    env = {
+        WATCH_ENV: str(os.getpid()),
+        "NBDIST_BACKEND": options.backend,
+        "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
+        "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
+        # One BLAS/OpenMP thread per engine: engines share the cores, and oversubscription slows everyone.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
+        "PYTHONUNBUFFERED": "1",
+    }
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
+    return ipp.Cluster(
+        engines="mpi",
+        n=options.n,
+        delay=0,
+        send_engines_connection_env=False,  # engines read the connection file, so they can start before it exists
+        shutdown_atexit=True,
+        log_level=40,
+        controller_args=[
+            "--IPController.use_threads=True",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        ],
+        controller_cmd=[sys.executable, "-m", "nbdist.lifeline", "ipyparallel.controller"],
+    )
+
+
+def _tail(launcher, lines: int = 15) -> str:
+    try:
+        with open(launcher.output_file) as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _check_alive(cluster: ipp.Cluster) -> None:
+    """Raise with the process's own last words if the controller or the engines have exited."""
+    parts = [("controller", cluster.controller)] + [("engines", es) for es in cluster.engines.values()]
+    for name, launcher in parts:
+        if launcher is not None and launcher.state == "after":
+            raise DistError(f"the {name} exited during start-up:\n{_tail(launcher)}")
+
+
+def start(options: ClusterOptions) -> Launched:
+    """Start controller and engines, connect a client, wait until every engine has registered."""
+    cluster = _new_cluster(options)
+    deadline = time.monotonic() + options.timeout
+    try:
+        cluster.start_controller_sync()
+        cluster.start_engines_sync(
+            options.n,
+            engine_cmd=[sys.executable, "-m", "nbdist.engine.main"],
+            engine_args=["--IPEngine.enable_nanny=False", "--log-level=40", f"--IPEngine.wait_for_url_file={options.timeout}"],
+            mpi_cmd=[options.mpiexec()],
+            mpi_args=list(options.mpi_args),
+            environment=_engine_environment(options),
+        )
+        client = cluster.connect_client_sync()
+        while len(client.ids) < options.n:
+            _check_alive(cluster)
+            if time.monotonic() > deadline:
+                raise DistError(
+                    f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
+                    f"(raise --timeout?); engine output:\n{_tail(next(iter(cluster.engines.values())))}"
+                )
+            time.sleep(0.005)
+    except BaseException:
+        stop_processes(cluster)
+        raise
+    return Launched(cluster=cluster, client=client, engine_ids=sorted(client.ids))
+
+
+def _process_groups(cluster: ipp.Cluster) -> list[int]:
+    launchers = [cluster.controller] + list(cluster.engines.values())
+    return [l.pid for l in launchers if l is not None and getattr(l, "pid", None) and l.state == "running"]
+
+
+def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
+    """Kill controller and engines together and wait until they are gone.
+
+    ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
+    mpiexec, its proxies and the ranks (or the controller and its helper). One SIGKILL per group reaches every
+    process at once: engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and
+    on other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
+    """
+    groups = _process_groups(cluster)
+    members = []
+    for pgid in groups:
+        try:
+            leader = psutil.Process(pgid)
+            members += [leader] + leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    for proc in members:  # members that left the group (a nanny, a daemon) go too
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _wait_gone(members, timeout)
+    _forget(cluster)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Wait until every process has exited. A zombie counts as gone: it holds no resources, only a pid entry
+    until its parent (or init, for orphaned ranks) reaps it; our own children we reap here."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and time.monotonic() < deadline:
+        pending = [p for p in pending if not _exited(p)]
+        if pending:
+            time.sleep(0.005)
+
+
+def _exited(proc: psutil.Process) -> bool:
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+        if proc.ppid() == os.getpid():
+            os.waitpid(proc.pid, os.WNOHANG)
+    except (psutil.NoSuchProcess, ChildProcessError):
+        pass
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forget(cluster: ipp.Cluster) -> None:
+    """Let ipyparallel tidy its files (connection, cluster and log files) now that the processes are gone."""
+    for launcher in [cluster.controller] + list(cluster.engines.values()):
+        if launcher is not None:
+            try:
+                launcher.get_output(remove=True)
+            except Exception:  # noqa: BLE001 - tidying must never mask the stop
+                pass
+    security = os.path.join(cluster.profile_dir, "security")
+    for kind in ("client", "engine"):
+        try:
+            os.remove(os.path.join(security, f"ipcontroller-{cluster.cluster_id}-{kind}.json"))
+        except FileNotFoundError:
+            pass
+    cluster.controller = None
+    cluster.engines = {}
+    cluster.update_cluster_file()

@@ -1,0 +1,97 @@
+"""IPython magics: a thin skin over nbdist's Python API (parse arguments, call the API, show the result)."""
+from __future__ import annotations
+
+import shlex
+from functools import wraps
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+import nbdist
+from nbdist.errors import DistError, DistUsageError
+
+
+def _usage_errors(method):
+    """Bad input becomes IPython's one-line UsageError, with no traceback from nbdist's internals."""
+
+    @wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except DistUsageError as e:
+            raise UsageError(str(e)) from None
+
+    return wrapper
+
+
+@magics_class
+class DistMagics(Magics):
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of engines (default: one per GPU, else 2)")
+    @argument("--cpu", action="store_true", help="CPU engines even where GPUs exist")
+    @argument("--backend", default="auto", help="gloo or nccl (default: nccl on GPUs, gloo on CPU)")
+    @argument("--timeout", type=float, default=60.0, help="seconds the start-up may take")
+    @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "--hostfile hosts"')
+    @argument("--restart", action="store_true", help="replace a running cluster")
+    @line_magic
+    @_usage_errors
+    def dist_start(self, line: str) -> None:
+        """Start MPI engines with torch.distributed initialised on each."""
+        args = parse_argstring(self.dist_start, line)
+        cluster = nbdist.start(
+            args.n,
+            restart=args.restart,
+            cpu=args.cpu,
+            backend=args.backend,
+            timeout=args.timeout,
+            mpi_args=tuple(shlex.split(args.mpi_args)),
+        )
+        status = cluster.status()
+        status.startup_seconds = cluster.startup_seconds
+        display(status)
+
+    @line_magic
+    @_usage_errors
+    def dist_status(self, line: str) -> None:
+        """Show rank, host, pid, device, backend and memory of every engine."""
+        display(nbdist.current().status())
+
+    @line_magic
+    @_usage_errors
+    def dist_stop(self, line: str) -> None:
+        """Stop the engines, the controller and mpiexec."""
+        cluster = nbdist.current()
+        cluster.stop()
+        print(f"stopped {cluster.world_size} engines")
+
+    @line_magic
+    @_usage_errors
+    def dist_restart(self, line: str) -> None:
+        """Fresh engines and process group, e.g. after a hang."""
+        cluster = nbdist.current().restart()
+        status = cluster.status()
+        status.startup_seconds = cluster.startup_seconds
+        display(status)
+
+    @magic_arguments()
+    @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3")
+    @argument("--timeout", type=float, default=None, help="seconds before the cell is stopped on every rank")
+    @argument("--output", default="rank0", help="whose output to show: rank0, all or none (errors: always)")
+    @cell_magic
+    @_usage_errors
+    def dist(self, line: str, cell: str) -> None:
+        """Run the cell on the chosen ranks; output labelled [rank N]."""
+        args = parse_argstring(self.dist, line)
+        nbdist.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
+
+
+def _one_line(shell, etype, value, tb, tb_offset=None) -> list[str]:
+    """Show nbdist's errors as 'DistError: message': the message already says which rank and what happened."""
+    return [f"{etype.__name__}: {value}"]
+
+
+def register(ipython) -> None:
+    ipython.register_magics(DistMagics)
+    ipython.set_custom_exc((DistError, DistUsageError), _one_line)

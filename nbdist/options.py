@@ -1,0 +1,104 @@
+"""Cluster options and their validation, done in the notebook kernel before any process starts.
+
+The kernel never touches CUDA: GPUs are counted through NVML (nvidia-ml-py), which needs only the driver.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field, replace
+
+import psutil
+
+from nbdist.errors import DistUsageError
+
+BACKENDS = ("auto", "gloo", "nccl")
+ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
+DEFAULT_CPU_ENGINES = 2
+HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
+
+
+def visible_gpus() -> int:
+    """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES, without creating a CUDA context."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPUs
+        return 0
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def max_cpu_engines() -> int:
+    """How many CPU engines fit in this machine's available memory."""
+    return max(1, psutil.virtual_memory().available // ENGINE_MEMORY_BYTES)
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the `mpich` wheel puts it there), else the one on PATH, or $NBDIST_MPIEXEC."""
+    if os.environ.get("NBDIST_MPIEXEC"):
+        return os.environ["NBDIST_MPIEXEC"]
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What `%dist_start` / `nbdist.start()` accept. `n=None` means one engine per GPU, else 2 CPU engines."""
+
+    n: int | None = None
+    cpu: bool = False
+    backend: str = "auto"
+    timeout: float = 60.0  # seconds the whole start-up may take
+    mpi_args: tuple[str, ...] = field(default_factory=tuple)
+    collective_timeout: float = 1800.0  # seconds a torch.distributed collective may wait
+
+    def multi_host(self) -> bool:
+        return any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+
+    def threads_per_engine(self) -> int:
+        return max(1, (os.cpu_count() or 1) // max(1, self.n or 1))
+
+    def mpiexec(self) -> str:
+        found = find_mpiexec()
+        if not found:
+            raise DistUsageError("mpiexec not found: `pip install mpich`, or put your MPI's mpiexec on PATH")
+        return found
+
+    def resolved(self) -> "ClusterOptions":
+        """Fill in defaults from the hardware and check everything; raises DistUsageError naming the problem."""
+        gpus = 0 if self.cpu else visible_gpus()
+        n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise DistUsageError(f"-n must be a whole number of engines, got {n!r}")
+        if n < 1:
+            raise DistUsageError(f"-n must be at least 1, got {n}")
+        if self.backend not in BACKENDS:
+            raise DistUsageError(f"unknown backend {self.backend!r}: choose gloo or nccl")
+        if self.timeout <= 0 or self.collective_timeout <= 0:
+            raise DistUsageError("--timeout must be a positive number of seconds")
+        if self.backend == "nccl" and not self.multi_host():
+            if gpus == 0:
+                raise DistUsageError("--backend nccl needs GPUs and none are visible here; use --backend gloo")
+            if n > gpus:
+                raise DistUsageError(f"--backend nccl needs one GPU per engine: -n {n} but {gpus} GPU(s) visible")
+        if not self.multi_host():
+            limit = max_cpu_engines() if gpus == 0 or self.backend == "gloo" else gpus
+            if n > limit:
+                free_gib = psutil.virtual_memory().available / 2**30
+                raise DistUsageError(
+                    f"-n {n} is more engines than this machine can hold: at most {limit} "
+                    f"({free_gib:.1f} GiB available, ~{ENGINE_MEMORY_BYTES / 2**30:.1f} GiB per engine)"
+                )
+        self.mpiexec()
+        return replace(self, n=n)

@@ -1,0 +1,222 @@
+"""Waiting for work on the ranks: live, rank-labelled output, and no rank left stuck.
+
+An exception on one rank often leaves the others waiting forever in a collective (gloo and NCCL waits cannot be
+interrupted by SIGINT). So while we wait we watch each rank: once one has failed, the others get a short grace
+period; whoever is still running then is interrupted (SIGINT), and if that does not free it the engines are
+restarted. The same happens on a timeout and on the kernel's interrupt. The user is told exactly what was done.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from nbdist.errors import DistError
+
+ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
+INTERRUPT_WAIT_SECONDS = 1.5  # how long an interrupted rank may take to stop before we restart the engines
+SHOW_MODES = ("rank0", "all", "none")
+
+
+def label(rank: int) -> str:
+    return f"[rank {rank}]"
+
+
+def _prefixed(text: str, prefix: str) -> str:
+    return "".join(f"{prefix} {line}" for line in text.splitlines(True))
+
+
+@dataclass
+class OutputRelay:
+    """Copies each shown rank's stdout, stderr and displays into the notebook as they arrive, labelled by rank."""
+
+    ranks: Sequence[int]
+    shown: set[int]
+    _sent: dict = field(default_factory=dict)
+    _partial: dict = field(default_factory=dict)
+
+    def relay(self, metadata: Sequence[dict], final: bool = False) -> None:
+        for rank, md in zip(self.ranks, metadata):
+            if rank not in self.shown:
+                continue
+            self._relay_stream(rank, md, "stdout", sys.stdout, final)
+            self._relay_stream(rank, md, "stderr", sys.stderr, final)
+            self._relay_displays(rank, md)
+
+    def _relay_stream(self, rank: int, md: dict, name: str, out, final: bool) -> None:
+        text = md.get(name) or ""
+        start = self._sent.get((rank, name), 0)
+        if len(text) <= start and not final:
+            return
+        pending = self._partial.get((rank, name), "") + text[start:]
+        self._sent[(rank, name)] = len(text)
+        complete, _, rest = pending.rpartition("\n")
+        if final and rest:
+            complete, rest = pending, ""
+        elif complete:
+            complete += "\n"
+        self._partial[(rank, name)] = rest
+        if complete:
+            out.write(_prefixed(complete if complete.endswith("\n") else complete + "\n", label(rank)))
+            out.flush()
+
+    def _relay_displays(self, rank: int, md: dict) -> None:
+        outputs = md.get("outputs") or []
+        start = self._sent.get((rank, "outputs"), 0)
+        if len(outputs) > start:
+            from IPython.display import publish_display_data
+
+            for content in outputs[start:]:
+                publish_display_data(content["data"], content.get("metadata") or {})
+            self._sent[(rank, "outputs")] = len(outputs)
+
+
+def remote_summary(error: BaseException) -> str:
+    """'ValueError: boom' for an engine's exception (ipyparallel wraps it as a RemoteError)."""
+    ename = getattr(error, "ename", type(error).__name__)
+    evalue = getattr(error, "evalue", str(error))
+    return f"{ename}: {evalue}" if evalue else ename
+
+
+def remote_traceback(error: BaseException) -> str:
+    """The user's part of an engine-side traceback: IPython already hides its own frames; we hide ipyparallel's."""
+    text = getattr(error, "traceback", None) or remote_summary(error)
+    lines = text.splitlines()
+    keep = [line for line in lines if "site-packages/ipyparallel" not in line and "nbdist/engine" not in line]
+    return "\n".join(keep)
+
+
+@dataclass
+class Waiter:
+    """Waits for one multi-rank AsyncResult. `restart` is called when stuck ranks cannot be freed otherwise."""
+
+    ar: object
+    ranks: Sequence[int]
+    pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
+    restart: Callable[[], None]
+    engines_alive: Callable[[], bool]
+    timeout: float | None = None
+    relay: OutputRelay | None = None
+
+    def wait(self) -> list:
+        """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
+        started = time.monotonic()
+        first_failure_at = None
+        reason, action = None, None
+        try:
+            while not self.ar.ready():
+                self.ar.wait(0.05)
+                self._relay()
+                if first_failure_at is None and self._failed_ranks():
+                    first_failure_at = time.monotonic()
+                if not self.engines_alive():
+                    reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
+                    break
+                if first_failure_at is not None and time.monotonic() - first_failure_at > ERROR_GRACE_SECONDS:
+                    action = self._free_stuck()
+                    break
+                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                    reason, action = f"timed out after {self.timeout:g} s", self._free_stuck()
+                    break
+        except KeyboardInterrupt:
+            self._raise_failures("interrupted", self._free_stuck(), KeyboardInterrupt)
+        self._finish_output()
+        self._raise_failures(reason, action)
+        return [child.result() for _, child in self._children()]
+
+    # -- per-rank state -------------------------------------------------------------------------------------
+
+    def _children(self):
+        return list(zip(self.ranks, self.ar._children))
+
+    def _pending_ranks(self) -> list[int]:
+        return [rank for rank, child in self._children() if not child.done()]
+
+    def _failed_ranks(self) -> dict[int, BaseException]:
+        failed = {}
+        for rank, child in self._children():
+            if child.done():
+                result = child.exception() or child.result()
+                if isinstance(result, BaseException):
+                    failed[rank] = result
+        return failed
+
+    def _describe_failures(self) -> str:
+        return "; ".join(f"rank {rank} raised {remote_summary(e)}" for rank, e in self._failed_ranks().items())
+
+    # -- freeing ranks ----------------------------------------------------------------------------------------
+
+    def _free_stuck(self) -> str | None:
+        """Interrupt the ranks still running; restart the engines if that does not stop them. Says what it did."""
+        stuck = self._pending_ranks()
+        if not stuck:
+            return None
+        self._interrupt(stuck)
+        deadline = time.monotonic() + INTERRUPT_WAIT_SECONDS
+        while self._pending_ranks() and time.monotonic() < deadline:
+            self.ar.wait(0.02)
+        still = self._pending_ranks()
+        if not still:
+            return f"nbdist interrupted rank(s) {_ranks_text(stuck)}, which then stopped"
+        return (
+            f"rank(s) {_ranks_text(still)} kept running (stuck in a collective?) and did not stop on interrupt, "
+            + self._restart()
+        )
+
+    def _restart(self) -> str:
+        self._finish_output()
+        self.restart()
+        return "so nbdist restarted the engines: fresh processes and process group, engine variables lost"
+
+    def _interrupt(self, ranks: Sequence[int]) -> None:
+        here = socket.gethostname()
+        for rank in ranks:
+            host, pid = self.pids[rank]
+            if host == here:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def _relay(self, final: bool = False) -> None:
+        if self.relay is not None:
+            self.relay.relay(self.ar._metadata, final=final)
+
+    def _finish_output(self) -> None:
+        try:
+            self.ar.wait_for_output(timeout=1.0) if self.ar.ready() else None
+        except Exception:  # noqa: BLE001 - output is best effort; results decide success
+            pass
+        self._relay(final=True)
+
+    def _raise_failures(self, reason: str | None, action: str | None, kind: type = DistError) -> None:
+        """Print each failed rank's traceback (always, whatever --output says) and raise one summary line."""
+        failed = self._failed_ranks()
+        if not failed and reason is None and action is None:
+            return
+        self._finish_output()
+        for rank, error in failed.items():
+            sys.stderr.write(_prefixed(remote_traceback(error).rstrip("\n") + "\n", label(rank)))
+        sys.stderr.flush()
+        raised = [f"rank {r} raised {remote_summary(e)}" for r, e in failed.items() if not _interrupted(e)]
+        interrupted = [r for r, e in failed.items() if _interrupted(e)]
+        parts = [p for p in (reason, "; ".join(raised)) if p]
+        if action:
+            parts.append(action)
+        elif interrupted:
+            parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
+        raise kind("; ".join(parts))
+
+
+def _interrupted(error: BaseException) -> bool:
+    return getattr(error, "ename", type(error).__name__) == "KeyboardInterrupt"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
