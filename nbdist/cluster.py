@@ -116,6 +116,10 @@ class Cluster:
             pass
         launch.stop_processes(launched.cluster)
 
+    def processes(self) -> list:
+        """The cluster's processes (psutil.Process): controller, mpiexec, proxies, engines."""
+        return launch.processes(self._launched.cluster) if self._launched else []
+
     def restart(self) -> "Cluster":
         """Fresh engines and process group with the same options (e.g. after a hang)."""
         self.stop()
@@ -228,17 +232,17 @@ def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Clu
     A running cluster is kept (a note says so) unless `restart=True`.
     """
     global _current
+    if "mpi_args" in options:
+        options["mpi_args"] = tuple(options["mpi_args"])
+    try:
+        cluster = Cluster(ClusterOptions(n=n, **options))  # validates before anything else happens
+    except TypeError as e:
+        raise DistUsageError(f"unknown option: {e}") from None
     if _current is not None and _current.running:
         if not restart:
             print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True replaces it)")
             return _current
         _current.stop()
-    if "mpi_args" in options:
-        options["mpi_args"] = tuple(options["mpi_args"])
-    try:
-        cluster = Cluster(ClusterOptions(n=n, **options))
-    except TypeError as e:
-        raise DistUsageError(f"unknown option: {e}") from None
     _current = cluster.start()
     return cluster
 

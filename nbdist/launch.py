@@ -50,9 +50,18 @@ def _engine_environment(options: ClusterOptions) -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
         "PYTHONUNBUFFERED": "1",
     }
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(_kernel_import_paths())
     return env
+
+
+def _kernel_import_paths() -> list[str]:
+    """The kernel's own import path (minus the interpreter's), so engines can unpickle functions from the same
+    modules the notebook imports: a helper module beside the notebook, a source checkout, a test folder."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    interpreter = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    paths = [package_root] + [os.path.abspath(p or ".") for p in sys.path if not os.path.abspath(p or ".").startswith(interpreter)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
 def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
@@ -68,7 +77,6 @@ def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
         ],
-        controller_cmd=[sys.executable, "-m", "nbdist.lifeline", "ipyparallel.controller"],
     )
 
 
@@ -94,7 +102,7 @@ def start(options: ClusterOptions) -> Launched:
     cluster = _new_cluster(options)
     deadline = time.monotonic() + options.timeout
     try:
-        cluster.start_controller_sync()
+        cluster.start_controller_sync(controller_cmd=[sys.executable, "-m", "nbdist.lifeline", str(os.getpid()), "ipyparallel.controller"])
         cluster.start_engines_sync(
             options.n,
             engine_cmd=[sys.executable, "-m", "nbdist.engine.main"],
@@ -123,6 +131,18 @@ def _process_groups(cluster: ipp.Cluster) -> list[int]:
     return [l.pid for l in launchers if l is not None and getattr(l, "pid", None) and l.state == "running"]
 
 
+def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
+    """Every process of the cluster: controller, mpiexec, Hydra proxies and the engines."""
+    members = []
+    for pgid in _process_groups(cluster):
+        try:
+            leader = psutil.Process(pgid)
+            members += [leader] + leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return members
+
+
 def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
     """Kill controller and engines together and wait until they are gone.
 
@@ -132,13 +152,7 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
     on other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
     """
     groups = _process_groups(cluster)
-    members = []
-    for pgid in groups:
-        try:
-            leader = psutil.Process(pgid)
-            members += [leader] + leader.children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
+    members = processes(cluster)
     for pgid in groups:
         _signal_group(pgid, signal.SIGKILL)
     for proc in members:  # members that left the group (a nanny, a daemon) go too

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import runpy
 import select
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ def _wait_for_exit(pid: int, poll_seconds: float = 0.25) -> None:
 
 def _exit_when_gone(pid: int) -> None:
     _wait_for_exit(pid)
+    if os.getpgid(0) == os.getpid():  # a group leader (the controller) takes its helpers with it
+        os.killpg(0, signal.SIGKILL)
     os._exit(3)
 
 
@@ -52,10 +55,10 @@ def start(pid: int | None = None) -> None:
 
 
 def main() -> None:
-    """`python -m nbdist.lifeline MODULE ARGS...`: run MODULE as __main__ under a lifeline."""
-    module = sys.argv[1]
-    sys.argv = [module] + sys.argv[2:]
-    start()
+    """`python -m nbdist.lifeline PID MODULE ARGS...`: run MODULE as __main__, ending when PID ends."""
+    pid, module = int(sys.argv[1]), sys.argv[2]
+    sys.argv = [module] + sys.argv[3:]
+    start(pid)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

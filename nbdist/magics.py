@@ -40,6 +40,7 @@ class DistMagics(Magics):
     def dist_start(self, line: str) -> None:
         """Start MPI engines with torch.distributed initialised on each."""
         args = parse_argstring(self.dist_start, line)
+        before = nbdist.cluster._current if nbdist.cluster._current and nbdist.cluster._current.running else None
         cluster = nbdist.start(
             args.n,
             restart=args.restart,
@@ -49,7 +50,8 @@ class DistMagics(Magics):
             mpi_args=tuple(shlex.split(args.mpi_args)),
         )
         status = cluster.status()
-        status.startup_seconds = cluster.startup_seconds
+        if cluster is not before:
+            status.startup_seconds = cluster.startup_seconds
         display(status)
 
     @line_magic
@@ -88,8 +90,13 @@ class DistMagics(Magics):
 
 
 def _one_line(shell, etype, value, tb, tb_offset=None) -> list[str]:
-    """Show nbdist's errors as 'DistError: message': the message already says which rank and what happened."""
-    return [f"{etype.__name__}: {value}"]
+    """Show nbdist's errors as 'DistError: message': the message already says which rank and what happened.
+
+    IPython's custom-exception hook must display the error itself (run_code ignores the returned traceback).
+    """
+    stb = [f"\x1b[31m{etype.__name__}\x1b[0m: {value}"]
+    shell._showtraceback(etype, value, stb)
+    return stb
 
 
 def register(ipython) -> None:

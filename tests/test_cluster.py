@@ -1,0 +1,122 @@
+"""A real 2-engine cluster (MPI engines, gloo): collectives, status, errors, stuck ranks, stop."""
+import time
+
+import pytest
+import torch
+
+import nbdist
+from nbdist.errors import DistError, DistUsageError
+from kernel_driver import ANSI
+from processes import wait_until_gone
+
+
+def _all_reduce_ranks():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(2) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return t
+
+
+def test_all_reduce_gives_the_sum_on_every_rank(cluster):
+    results = cluster.run(_all_reduce_ranks)
+    n = cluster.world_size
+    expected = torch.full((2,), float(n * (n + 1) // 2))
+    assert len(results) == n
+    for t in results:
+        assert torch.equal(t, expected)
+
+
+def test_status_lists_every_rank_with_distinct_pids(cluster):
+    rows = cluster.status().rows
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert len({r["pid"] for r in rows}) == 2
+    assert {r["backend"] for r in rows} == {"gloo"}
+    assert all(r["world_size"] == 2 and r["device"] == "cpu" for r in rows)
+    assert "rank" in str(cluster.status()) and "gloo" in str(cluster.status())
+
+
+def test_results_come_back_in_rank_order(cluster):
+    assert cluster.run(lambda: __import__("torch.distributed").distributed.get_rank()) == [0, 1]
+
+
+def test_run_on_chosen_ranks(cluster):
+    import os
+
+    pids = cluster.run(os.getpid, ranks=[1])
+    assert pids == [cluster.status().rows[1]["pid"]]
+
+
+def test_execute_keeps_state_per_rank(cluster, capsys):
+    cluster.execute("import torch.distributed as dist\nx = 10 * dist.get_rank()")
+    cluster.execute("print('x is', x)", output="all")
+    out = capsys.readouterr().out
+    assert "[rank 0] x is 0" in out and "[rank 1] x is 10" in out
+
+
+def test_output_rank0_by_default_and_none(cluster, capsys):
+    cluster.execute("print('hello')")
+    assert capsys.readouterr().out == "[rank 0] hello\n"
+    cluster.execute("print('hello')", output="none")
+    assert capsys.readouterr().out == ""
+
+
+def test_error_names_the_rank_and_message(cluster, capsys):
+    code = "import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('boom')\n"
+    with pytest.raises(DistError, match=r"rank 1 raised ValueError: boom"):
+        cluster.execute(code)
+    err = ANSI.sub("", capsys.readouterr().err)
+    assert "[rank 1]" in err and "ValueError: boom" in err
+    assert "ipyparallel" not in err and "nbdist" not in err  # the user's frames only
+    assert cluster.run(_all_reduce_ranks)[0][0] == 3.0  # the next call works
+
+
+def test_rank_raising_while_other_waits_in_all_reduce(cluster, capsys):
+    """Rank 1 raises, rank 0 is stuck in all_reduce: a clear error within the timeout, then a working cluster."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "if dist.get_rank() == 1:\n    raise RuntimeError('rank one failed')\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(DistError) as info:
+        cluster.execute(code, timeout=30)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "rank 1 raised RuntimeError: rank one failed" in message
+    assert "rank(s) 0" in message and "restarted the engines" in message
+    assert elapsed < 30
+    assert cluster.run(_all_reduce_ranks)[0][0] == 3.0
+
+
+def test_timeout_interrupts_a_slow_cell(cluster):
+    started = time.monotonic()
+    with pytest.raises(DistError, match=r"timed out after 1 s; nbdist interrupted rank\(s\) 0, 1, which then stopped"):
+        cluster.execute("import time\ntime.sleep(30)", timeout=1)
+    assert time.monotonic() - started < 10
+    assert cluster.run(_all_reduce_ranks)[1][0] == 3.0
+
+
+def test_bad_ranks_and_output(cluster):
+    with pytest.raises(DistUsageError, match="not in 0..1"):
+        cluster.run(int, ranks=[5])
+    with pytest.raises(DistUsageError, match="--output must be one of"):
+        cluster.execute("1", output="rank7")
+
+
+def test_start_while_running_keeps_the_cluster(cluster, capsys):
+    assert nbdist.start(2) is cluster
+    assert "already running" in capsys.readouterr().out
+
+
+def test_stop_leaves_no_process():
+    """A separate cluster (the shared one keeps running): stop, and every one of its processes is gone."""
+    with nbdist.Cluster(nbdist.options.ClusterOptions(n=2)) as c:
+        procs = c.processes()
+        assert len(procs) >= 4  # controller, mpiexec, proxy, 2 engines
+        started = time.monotonic()
+    assert time.monotonic() - started < 1.5
+    assert wait_until_gone(procs, timeout=0.5) == []
+    with pytest.raises(DistUsageError, match="the cluster is stopped"):
+        c.run(int)
