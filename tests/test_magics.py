@@ -105,3 +105,12 @@ def test_sigkill_of_the_kernel_leaves_no_process():
     finally:
         driver.client.stop_channels()
         driver.manager.cleanup_resources()
+
+
+def test_kernel_shutdown_leaves_no_process():
+    driver = KernelDriver()
+    driver.execute("%load_ext nbdist")
+    assert not driver.execute("%dist_start -n 2").error
+    procs = psutil.Process(driver.pid).children(recursive=True)
+    driver.shutdown()
+    assert wait_until_gone(procs, timeout=15) == []
