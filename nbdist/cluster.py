@@ -6,12 +6,13 @@ ranks). `nbdist.current()` is the cluster the magics use; a notebook normally ha
 from __future__ import annotations
 
 import atexit
+import html
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nbdist import launch
-from nbdist.errors import DistError, DistUsageError
+from nbdist.errors import DistUsageError
 from nbdist.options import ClusterOptions
 from nbdist.remote import SHOW_MODES, OutputRelay, Waiter
 
@@ -27,43 +28,40 @@ def _engine_info() -> dict:
 
 @dataclass
 class Status:
-    """One row per rank; shows as a table in the notebook."""
+    """One row per rank; shows as a table in the notebook (HTML) and in a terminal (text)."""
 
     rows: list[dict]
     startup_seconds: float | None = None
 
-    COLUMNS = ("rank", "host", "pid", "device", "backend", "rss_mib")
+    HEADER = ("rank", "host", "pid", "device", "backend", "memory")
 
-    def __str__(self) -> str:
-        header = ["rank", "host", "pid", "device", "backend", "memory"]
-        body = [[str(r["rank"]), r["host"], str(r["pid"]), r["device"], r["backend"], _memory(r)] for r in self.rows]
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [header, *body]]
-        return "\n".join(lines + self._footer())
+    @staticmethod
+    def _cells(row: dict) -> list[str]:
+        memory = f"{row['rss_mib']:.0f} MiB"
+        if "gpu_mib" in row:
+            memory += f" (+{row['gpu_mib']:.0f} MiB GPU)"
+        return [str(row["rank"]), row["host"], str(row["pid"]), row["device"], row["backend"], memory]
 
     def _footer(self) -> list[str]:
         if self.startup_seconds is None:
             return []
         return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
 
+    def __str__(self) -> str:
+        table = [list(self.HEADER)] + [self._cells(r) for r in self.rows]
+        widths = [max(len(cell) for cell in column) for column in zip(*table)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+        return "\n".join(lines + self._footer())
+
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in ("rank", "host", "pid", "device", "backend", "memory"))
-        rows = "".join(
-            "<tr>" + "".join(f"<td>{v}</td>" for v in (r["rank"], r["host"], r["pid"], r["device"], r["backend"], _memory(r))) + "</tr>"
-            for r in self.rows
-        )
-        foot = "".join(f"<p>{line}</p>" for line in self._footer())
-        return f"<table><tr>{head}</tr>{rows}</table>{foot}"
+        def tr(cells: list[str], tag: str) -> str:
+            return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
+
+        rows = tr(list(self.HEADER), "th") + "".join(tr(self._cells(r), "td") for r in self.rows)
+        return f"<table>{rows}</table>" + "".join(f"<p>{line}</p>" for line in self._footer())
 
     def __repr__(self) -> str:
         return str(self)
-
-
-def _memory(row: dict) -> str:
-    text = f"{row['rss_mib']:.0f} MiB"
-    if "gpu_mib" in row:
-        text += f" (+{row['gpu_mib']:.0f} MiB GPU)"
-    return text
 
 
 class Cluster:

@@ -59,7 +59,8 @@ def _kernel_import_paths() -> list[str]:
     modules the notebook imports: a helper module beside the notebook, a source checkout, a test folder."""
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     interpreter = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
-    paths = [package_root] + [os.path.abspath(p or ".") for p in sys.path if not os.path.abspath(p or ".").startswith(interpreter)]
+    kernel_paths = [os.path.abspath(p or ".") for p in sys.path]
+    paths = [package_root] + [p for p in kernel_paths if not p.startswith(interpreter)]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
@@ -102,11 +103,16 @@ def start(options: ClusterOptions) -> Launched:
     cluster = _new_cluster(options)
     deadline = time.monotonic() + options.timeout
     try:
-        cluster.start_controller_sync(controller_cmd=[sys.executable, "-m", "nbdist.lifeline", str(os.getpid()), "ipyparallel.controller"])
+        lifeline = [sys.executable, "-m", "nbdist.lifeline", str(os.getpid())]
+        cluster.start_controller_sync(controller_cmd=lifeline + ["ipyparallel.controller"])
         cluster.start_engines_sync(
             options.n,
             engine_cmd=[sys.executable, "-m", "nbdist.engine.main"],
-            engine_args=["--IPEngine.enable_nanny=False", "--log-level=40", f"--IPEngine.wait_for_url_file={options.timeout}"],
+            engine_args=[
+                "--IPEngine.enable_nanny=False",
+                "--log-level=40",
+                f"--IPEngine.wait_for_url_file={options.timeout}",
+            ],
             mpi_cmd=[options.mpiexec()],
             mpi_args=list(options.mpi_args),
             environment=_engine_environment(options),
@@ -128,7 +134,11 @@ def start(options: ClusterOptions) -> Launched:
 
 def _process_groups(cluster: ipp.Cluster) -> list[int]:
     launchers = [cluster.controller] + list(cluster.engines.values())
-    return [l.pid for l in launchers if l is not None and getattr(l, "pid", None) and l.state == "running"]
+    return [
+        launcher.pid
+        for launcher in launchers
+        if launcher is not None and getattr(launcher, "pid", None) and launcher.state == "running"
+    ]
 
 
 def processes(cluster: ipp.Cluster) -> list[psutil.Process]:

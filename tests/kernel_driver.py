@@ -1,6 +1,7 @@
 """Drive a real IPython kernel the way JupyterLab does: execute cells, collect outputs, interrupt, kill."""
 from __future__ import annotations
 
+import queue
 import re
 import time
 from dataclasses import dataclass, field
@@ -44,9 +45,9 @@ class KernelDriver:
                 interrupted = True
             try:
                 msg = self.client.get_iopub_msg(timeout=0.2)
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 if time.monotonic() - started > timeout:
-                    raise TimeoutError(f"cell did not finish in {timeout} s: {code[:60]!r}")
+                    raise TimeoutError(f"cell did not finish in {timeout} s: {code[:60]!r}") from None
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue

@@ -48,10 +48,11 @@ def test_all_reduce_output_labelled_by_rank(started):
 
 
 def test_error_on_rank_1_then_next_cell_works(started):
-    result = started.execute("%%dist\nimport torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad value on one')\n")
+    cell = "%%dist\nimport torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('bad one')"
+    result = started.execute(cell)
     assert result.error["ename"] == "DistError"
-    assert "rank 1 raised ValueError: bad value on one" in result.error["evalue"]
-    assert "[rank 1]" in result.stderr and "ValueError: bad value on one" in result.stderr
+    assert "rank 1 raised ValueError: bad one" in result.error["evalue"]
+    assert "[rank 1]" in result.stderr and "ValueError: bad one" in result.stderr
     assert len(result.error["traceback"]) == 1  # one line, no traceback from nbdist's internals
     assert started.execute(ALL_REDUCE_CELL).stdout == "[rank 0] tensor([3., 3.])\n"
 
