@@ -174,6 +174,16 @@ class Cluster:
         ar = self._view(chosen).apply_async(fn, *args, **kwargs)
         return self._waiter(ar, chosen, timeout, show={chosen[0]}).wait()
 
+    def run_each(self, fn: Callable, args_by_rank: dict, timeout: float | None = None) -> list:
+        """Call fn(*args_by_rank[r]) on each rank r given (different arguments per rank: each rank receives only
+        its own share, e.g. its stages of a model). Results in rank order."""
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        chosen = self._parse_ranks(sorted(args_by_rank))
+        client = self._require_running().client
+        parts = [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen]
+        return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}).wait()
+
     def execute(self, code: str, ranks=None, timeout: float | None = None, output: str = "rank0") -> list:
         """Run code (a cell's source) on the chosen ranks, like `%%dist`; outputs are labelled by rank."""
         if output not in SHOW_MODES:

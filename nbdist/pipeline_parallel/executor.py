@@ -1,0 +1,349 @@
+"""Running one rank's list of pipeline actions for real (this code runs ON the engines).
+
+A rank holds the modules of its stages. For a step it splits the batch into micro-batches (first stage: inputs,
+last stage: targets) and walks its action list: F runs a stage forward and keeps the activation, B (or I then W)
+runs its backward, SEND/RECV move activations and gradients to the neighbouring stages. Sends never block; a
+receive is posted a few actions early and waited for only when the data is needed, so communication overlaps
+compute. Every action is timed: start, end, and how long it waited for a message.
+
+The same walk can stop at a tick boundary (`advance(until_tick)`) and resume later: that is how a Stepper runs
+a schedule tick by tick. Ticks come from the lockstep order in which every dependency is met (see stepping.py),
+so stopping there never leaves a rank waiting for a message that was not sent.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from nbdist.pipeline_parallel.transport import make_transport
+from nbdist.schedules.actions import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+)
+
+RECEIVE_LOOKAHEAD = 4  # receives posted ahead of need: overlap without holding every buffer at once
+
+
+@dataclass
+class Span:
+    action: str
+    start: float
+    end: float
+    wait: float = 0.0  # seconds spent waiting for a message
+
+
+@dataclass
+class StepState:
+    """Everything one step keeps between actions (and between Stepper calls)."""
+
+    inputs: list = field(default_factory=list)  # micro-batches of the first stage's input
+    targets: list = field(default_factory=list)  # micro-batches of the last stage's targets
+    stage_inputs: dict = field(default_factory=dict)  # (stage, mb) -> input tensor (requires grad)
+    stage_outputs: dict = field(default_factory=dict)  # (stage, mb) -> output tensor, or the loss on the last stage
+    grads_in: dict = field(default_factory=dict)  # (stage, mb) -> gradient w.r.t. the stage's output
+    stashed: dict = field(default_factory=dict)  # (stage, mb) -> parameter version used by the forward (pipedream)
+    received: dict = field(default_factory=dict)  # action -> (buffer, request)
+    sends: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    spans: list = field(default_factory=list)
+    position: int = 0
+
+
+class StageExecutor:
+    def __init__(
+        self,
+        rank: int,
+        program: list[Action],
+        ticks: list[int],
+        modules: dict[int, nn.Module],
+        stages: int,
+        microbatches: int,
+        boundary_shapes: dict[int, tuple],
+        device: str,
+        transport: str = "auto",
+        optimizer=None,
+        pipedream_lr: float | None = None,
+    ):
+        self.rank, self.program, self.ticks = rank, program, ticks
+        self.device = torch.device(device)
+        self.modules = {s: m.to(self.device) for s, m in modules.items()}
+        self.stages, self.microbatches = stages, microbatches
+        self.boundary_shapes = boundary_shapes  # stage -> (shape, dtype) of its output (= next stage's input)
+        self.transport = make_transport(transport, self.device)
+        params = [p for m in self.modules.values() for p in m.parameters()]
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.pipedream_lr = pipedream_lr
+        self.world_ranks = None
+        self.state = StepState()
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def begin(self, inputs, targets, loss_fn) -> None:
+        for module in self.modules.values():
+            for p in module.parameters():
+                p.grad = None
+        state = self.state = StepState()
+        if 0 in self.modules:
+            state.inputs = list(inputs.to(self.device).chunk(self.microbatches))
+        if self.stages - 1 in self.modules:
+            state.targets = list(targets.to(self.device).chunk(self.microbatches))
+        self.loss_fn = loss_fn
+
+    def advance(self, until_tick: int | None = None) -> int:
+        """Run actions until the next one belongs to tick `until_tick` (None: to the end). Returns actions run."""
+        state, ran = self.state, 0
+        while state.position < len(self.program):
+            if until_tick is not None and self.ticks[state.position] >= until_tick:
+                break
+            self._post_receives(state.position)
+            self._run(self.program[state.position])
+            state.position += 1
+            ran += 1
+        return ran
+
+    def finish(self) -> dict:
+        """Complete the sends, apply the optimizer, report the loss (last stage) and the timed spans."""
+        state = self.state
+        for request in state.sends:
+            request.wait()
+        if self.optimizer is not None and self.pipedream_lr is None:
+            self.optimizer.step()
+        loss = float(sum(state.losses) / self.microbatches) if state.losses else None
+        return {"rank": self.rank, "loss": loss, "spans": [(s.action, s.start, s.end, s.wait) for s in state.spans]}
+
+    @property
+    def done(self) -> bool:
+        return self.state.position >= len(self.program)
+
+    # -- actions ----------------------------------------------------------------------------------------------
+
+    def _run(self, action: Action) -> None:
+        started = time.perf_counter()
+        wait = {
+            FORWARD: self._forward,
+            BACKWARD: self._backward,
+            BACKWARD_INPUT: self._backward_input,
+            BACKWARD_WEIGHT: self._backward_weight,
+            SEND_F: self._send_activation,
+            SEND_B: self._send_gradient,
+            RECV_F: self._receive,
+            RECV_B: self._receive,
+        }[action.kind](action)
+        # perf_counter is one clock for every process of a host: the notebook lines the ranks up by it
+        self.state.spans.append(Span(str(action), started, time.perf_counter(), wait or 0.0))
+
+    def _forward(self, a: Action) -> None:
+        state, key = self.state, (a.stage, a.microbatch)
+        if a.stage == 0:
+            x = state.inputs[a.microbatch]
+        elif (a.stage - 1, a.microbatch) in state.stage_outputs and self._local(a.stage - 1):
+            x = state.stage_outputs[(a.stage - 1, a.microbatch)].detach().requires_grad_()
+        else:
+            x = state.received.pop(Action(a.stage, RECV_F, a.microbatch))[0].requires_grad_()
+        module = self.modules[a.stage]
+        if self.pipedream_lr is not None:
+            version = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+            state.stashed[key] = version
+            y = functional_call(module, version, (x,))
+        else:
+            y = module(x)
+        if a.stage == self.stages - 1:
+            loss = self.loss_fn(y, state.targets[a.microbatch])
+            state.losses.append(loss.detach())
+            y = loss / self.microbatches  # the batch loss is the mean over equal micro-batches
+        state.stage_inputs[key], state.stage_outputs[key] = x, y
+
+    def _output_and_grad(self, a: Action):
+        state, key = self.state, (a.stage, a.microbatch)
+        y = state.stage_outputs[key]
+        if a.stage == self.stages - 1:
+            return y, None
+        if key in state.grads_in:
+            return y, state.grads_in.pop(key)
+        return y, state.received.pop(Action(a.stage, RECV_B, a.microbatch))[0]
+
+    def _backward(self, a: Action) -> None:
+        y, grad = self._output_and_grad(a)
+        torch.autograd.backward(y, grad)
+        self._after_backward(a)
+
+    def _backward_input(self, a: Action) -> None:
+        """I: only the gradient w.r.t. the stage's input, keeping the graph for W."""
+        state, key = self.state, (a.stage, a.microbatch)
+        y, grad = self._output_and_grad(a)
+        state.grads_in[("W",) + key] = grad
+        x = state.stage_inputs[key]
+        if a.stage > 0:
+            (x.grad,) = torch.autograd.grad(y, [x], grad, retain_graph=True)
+            if self._local(a.stage - 1):
+                state.grads_in[(a.stage - 1, a.microbatch)] = x.grad
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the weight gradients, from the graph I kept."""
+        state, key = self.state, (a.stage, a.microbatch)
+        y, grad = state.stage_outputs[key], state.grads_in.pop(("W",) + key)
+        params = self._grad_targets(a)
+        if params:
+            torch.autograd.backward(y, grad, inputs=params)
+        self._after_backward(a)
+
+    def _grad_targets(self, a: Action) -> list:
+        stash = self.state.stashed.get((a.stage, a.microbatch))
+        return list(stash.values()) if stash else [p for p in self.modules[a.stage].parameters()]
+
+    def _after_backward(self, a: Action) -> None:
+        """Free the activation; pass the input gradient to a local previous stage; pipedream: update now."""
+        state, key = self.state, (a.stage, a.microbatch)
+        x = state.stage_inputs.pop(key)
+        state.stage_outputs.pop(key)
+        if a.kind == BACKWARD and a.stage > 0:  # after I the input gradient was already handed on
+            target = (a.stage - 1, a.microbatch) if self._local(a.stage - 1) else ("send",) + key
+            state.grads_in[target] = x.grad
+        stash = state.stashed.pop(key, None)
+        if stash is not None:
+            self._pipedream_update(a.stage, stash)
+
+    def _pipedream_update(self, stage: int, stash: dict) -> None:
+        """PipeDream: after each backward, the stage's weights take an SGD step with this micro-batch's gradient
+        (computed with the weights stashed at its forward); .grad accumulates the gradients for reporting."""
+        with torch.no_grad():
+            for name, p in self.modules[stage].named_parameters():
+                g = stash[name].grad
+                if g is None:
+                    continue
+                p.grad = g.clone() if p.grad is None else p.grad + g
+                p -= self.pipedream_lr * g
+
+    def _send_activation(self, a: Action) -> None:
+        y = self.state.stage_outputs[(a.stage, a.microbatch)]
+        peer = a.matching()
+        self.state.sends.append(self.transport.isend(y.detach(), self._rank_of(peer.stage), self._tag(peer)))
+
+    def _send_gradient(self, a: Action) -> None:
+        state, key = self.state, (a.stage, a.microbatch)
+        grad = state.grads_in.pop(("send",) + key, None)
+        if grad is None:  # after a split I, the input (and its gradient) is still held for W
+            grad = self._input_grad(a)
+        peer = a.matching()
+        self.state.sends.append(self.transport.isend(grad, self._rank_of(peer.stage), self._tag(peer)))
+
+    def _input_grad(self, a: Action):
+        x = self.state.stage_inputs.get((a.stage, a.microbatch))
+        if x is None or x.grad is None:
+            raise RuntimeError(f"rank {self.rank}: {a} has no input gradient to send (backward not run?)")
+        return x.grad
+
+    def _receive(self, a: Action) -> float:
+        buffer, request = self.state.received[a]
+        waited = time.perf_counter()
+        request.wait()
+        return time.perf_counter() - waited
+
+    def _post_receives(self, position: int) -> None:
+        """Post the irecv of the next few receive actions, so that messages land while we compute."""
+        posted = 0
+        for a in self.program[position:]:
+            if posted >= RECEIVE_LOOKAHEAD:
+                break
+            if a.kind not in (RECV_F, RECV_B):
+                continue
+            posted += 1
+            if a not in self.state.received:
+                shape, dtype = self._message_shape(a)
+                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                peer_rank = self._rank_of(a.peer_stage())
+                self.state.received[a] = (buffer, self.transport.irecv(buffer, peer_rank, self._tag(a)))
+
+    def _message_shape(self, a: Action):
+        # an activation into stage s has stage s-1's output shape; a gradient into stage s has stage s's output's
+        return self.boundary_shapes[a.stage - 1 if a.kind == RECV_F else a.stage]
+
+    # -- placement ----------------------------------------------------------------------------------------------
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.world_ranks
+
+    def _local(self, stage: int) -> bool:
+        return stage in self.modules
+
+    def _tag(self, receive: Action) -> int:
+        """One tag per message: (direction, receiving stage, micro-batch)."""
+        direction = 0 if receive.kind == RECV_F else 1
+        return (direction * self.stages + receive.stage) * self.microbatches + receive.microbatch
+
+
+# -- entry points the notebook calls on each rank (through Cluster.run / run_each) -------------------------------
+
+_PIPELINES: dict[str, StageExecutor] = {}
+
+
+def _restore(payload):
+    """Undo api.portable: cloudpickled bytes back to the user's function."""
+    import cloudpickle
+
+    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+
+
+def setup(pipeline_id: str, rank: int, world: int, program: list[str], ticks: list[int], modules: dict,
+          stages: int, microbatches: int, transport: str, optimizer, pipedream_lr) -> str:
+    """Build this rank's executor. `modules` maps stage -> module, or is ("build", fn, {stage: layer range}): then
+    this rank builds the model itself and keeps its layers (nothing large crosses the network)."""
+    from nbdist.engine.boot import boot
+
+    optimizer = _restore(optimizer)
+    if isinstance(modules, tuple):  # ("build", model function, {stage: (first layer, end layer)})
+        _, build_model, ranges = modules
+        layers = list(_restore(build_model)())
+        built = {s: nn.Sequential(*layers[a:b]) for s, (a, b) in ranges.items()}
+    else:
+        built = modules
+    executor = StageExecutor(rank, [Action.parse(a) for a in program], ticks, built, stages, microbatches, {},
+                             boot().device, transport, optimizer, pipedream_lr)
+    executor.world_ranks = world
+    _PIPELINES[pipeline_id] = executor
+    return executor.device.type
+
+
+def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
+    executor = _PIPELINES[pipeline_id]
+    executor.boundary_shapes = shapes
+    executor.begin(inputs, targets, _restore(loss_fn))
+
+
+def advance(pipeline_id: str, until_tick: int | None) -> dict | None:
+    """Run to the tick boundary; when the rank's list is done, finish and report."""
+    executor = _PIPELINES[pipeline_id]
+    executor.advance(until_tick)
+    return executor.finish() if executor.done else None
+
+
+def step(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> dict:
+    """A whole step at full speed: no synchronisation between ticks."""
+    begin(pipeline_id, shapes, inputs, targets, loss_fn)
+    return advance(pipeline_id, None)
+
+
+def parameters(pipeline_id: str, grads: bool) -> dict:
+    """stage -> {local key: tensor} of this rank's parameters (or their gradients), on the CPU."""
+    out = {}
+    for stage, module in _PIPELINES[pipeline_id].modules.items():
+        if grads:
+            out[stage] = {k: (p.grad.detach().cpu() if p.grad is not None else None) for k, p in module.named_parameters()}
+        else:
+            out[stage] = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    return out
+
+
+def close(pipeline_id: str) -> None:
+    _PIPELINES.pop(pipeline_id, None)

@@ -1,0 +1,78 @@
+"""Ticks: the lockstep clock a Stepper advances by.
+
+At tick t every rank runs its next action if that action's inputs exist by then (sends are buffered, a receive
+needs its send, a backward its gradient). Stopping all ranks at a tick boundary is therefore always safe: no rank
+waits for a message that another rank has not sent yet. `state_at` replays the ticks to say what each rank just
+did, which messages are in flight and how many micro-batches' activations each rank holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nbdist.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from nbdist.schedules.simulate import ready
+
+
+def action_ticks(schedule) -> dict[int, list[int]]:
+    """rank -> the tick of each of its actions (schedules from `build`/`from_actions` never deadlock)."""
+    last = schedule.stages - 1
+    position = {r: 0 for r in schedule.program}
+    ticks: dict[int, list[int]] = {r: [] for r in schedule.program}
+    done: set[Action] = set()
+    tick = 0
+    while any(position[r] < len(acts) for r, acts in schedule.program.items()):
+        runnable = [
+            (r, acts[position[r]])
+            for r, acts in schedule.program.items()
+            if position[r] < len(acts) and ready(acts[position[r]], done, last)
+        ]
+        if not runnable:
+            raise RuntimeError(f"schedule {schedule.name!r} deadlocks at tick {tick}")
+        for r, a in runnable:
+            done.add(a)
+            ticks[r].append(tick)
+            position[r] += 1
+        tick += 1
+    return ticks
+
+
+@dataclass
+class TickState:
+    """What the pipeline looks like after `tick` ticks."""
+
+    tick: int
+    total_ticks: int
+    last_actions: dict[int, str | None]  # rank -> the action it ran in the last tick (None: idle then)
+    in_flight: list[str]  # messages sent whose receive has not run yet, e.g. "0SEND_F3 -> 1RECV_F3"
+    activations: dict[int, int]  # rank -> micro-batches whose activations it holds
+
+    def __str__(self) -> str:
+        lines = [f"tick {self.tick} of {self.total_ticks}"]
+        for rank, action in self.last_actions.items():
+            lines.append(f"  rank {rank}: {action or 'idle':<10} holds {self.activations[rank]} activation(s)")
+        lines.append(f"  in flight: {', '.join(self.in_flight) or 'nothing'}")
+        return "\n".join(lines)
+
+
+def state_at(schedule, ticks: dict[int, list[int]], tick: int) -> TickState:
+    sent, received, held = set(), set(), {}
+    last_actions: dict[int, str | None] = {}
+    for rank, acts in schedule.program.items():
+        held[rank] = 0
+        last_actions[rank] = None
+        for a, t in zip(acts, ticks[rank]):
+            if t >= tick:
+                break
+            if t == tick - 1:
+                last_actions[rank] = str(a)
+            if a.kind in (SEND_F, SEND_B):
+                sent.add(a)
+            elif a.kind in (RECV_F, RECV_B):
+                received.add(a.matching())
+            elif a.kind == FORWARD:
+                held[rank] += 1
+            elif a.kind in (BACKWARD, BACKWARD_WEIGHT):
+                held[rank] -= 1
+    in_flight = [f"{s} -> {s.matching()}" for s in sorted(sent - received)]
+    total = 1 + max((t[-1] for t in ticks.values() if t), default=-1)
+    return TickState(tick, total, last_actions, in_flight, held)
