@@ -145,8 +145,9 @@ class Cluster:
             raise DistUsageError(f"ranks {ranks!r} are not in 0..{self.world_size - 1}")
         return chosen
 
-    def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None) -> Waiter:
+    def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None, progress=None) -> Waiter:
         return Waiter(
+            progress=progress,
             ar=ar,
             ranks=ranks,
             pids={row["rank"]: (row["host"], row["pid"]) for row in self._info},
@@ -174,15 +175,16 @@ class Cluster:
         ar = self._view(chosen).apply_async(fn, *args, **kwargs)
         return self._waiter(ar, chosen, timeout, show={chosen[0]}).wait()
 
-    def run_each(self, fn: Callable, args_by_rank: dict, timeout: float | None = None) -> list:
+    def run_each(self, fn: Callable, args_by_rank: dict, timeout: float | None = None, progress=None) -> list:
         """Call fn(*args_by_rank[r]) on each rank r given (different arguments per rank: each rank receives only
-        its own share, e.g. its stages of a model). Results in rank order."""
+        its own share, e.g. its stages of a model). Results in rank order. `progress(async_result)` is called
+        about twice a second while waiting (live views read what the ranks publish)."""
         from ipyparallel.client.asyncresult import AsyncResult
 
         chosen = self._parse_ranks(sorted(args_by_rank))
         client = self._require_running().client
         parts = [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen]
-        return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}).wait()
+        return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}, progress=progress).wait()
 
     def execute(self, code: str, ranks=None, timeout: float | None = None, output: str = "rank0") -> list:
         """Run code (a cell's source) on the chosen ranks, like `%%dist`; outputs are labelled by rank."""

@@ -101,16 +101,22 @@ class Waiter:
     engines_alive: Callable[[], bool]
     timeout: float | None = None
     relay: OutputRelay | None = None
+    progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
+    progress_every: float = 0.5
 
     def wait(self) -> list:
         """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
         started = time.monotonic()
         first_failure_at = None
         reason, action = None, None
+        last_progress = started
         try:
             while not self.ar.ready():
                 self.ar.wait(0.05)
                 self._relay()
+                if self.progress is not None and time.monotonic() - last_progress >= self.progress_every:
+                    last_progress = time.monotonic()
+                    self.progress(self.ar)
                 if first_failure_at is None and self._failed_ranks():
                     first_failure_at = time.monotonic()
                 if not self.engines_alive():

@@ -22,12 +22,13 @@ from torch import nn
 from nbdist.cluster import Cluster, current
 from nbdist.errors import DistUsageError
 from nbdist.pipeline_parallel import executor
-from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes
+from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
 from nbdist.pipeline_parallel.stepping import TickState, action_ticks, state_at
 from nbdist.schedules.generators import build
 from nbdist.schedules.schedule import Schedule
 
 _ids = itertools.count()
+LIVE_PUBLISH_SECONDS = 0.25  # how often ranks publish their spans while a live view watches (>= 2 updates/s)
 
 
 def pipeline(
@@ -83,6 +84,7 @@ class Pipeline:
         self._shapes: dict = {}
         self.last_results: list[dict] = []
         self.loss: float | None = None
+        self.view = None  # a PipelineView, once widget() was called: steps then update it live
         self._setup(model, optimizer, lr if self.schedule.name == "pipedream" else None, transport)
 
     # -- set-up ---------------------------------------------------------------------------------------------------
@@ -125,29 +127,55 @@ class Pipeline:
         if inputs.shape[0] != targets.shape[0]:
             raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
 
-    def _step_args(self, inputs, targets, loss_fn) -> dict:
+    def _step_args(self, inputs, targets, loss_fn, *extra) -> dict:
         """Each rank gets only what it needs: the first stage the inputs, the last stage the targets."""
         self._check_batch(inputs, targets)
         shapes = self._message_shapes(inputs)
         last_rank = self.schedule.rank_of(self.schedule.stages - 1)
         loss_fn = portable(loss_fn)
         return {
-            r: (self.id, shapes, inputs if r == 0 else None, targets if r == last_rank else None, loss_fn)
+            r: (self.id, shapes, inputs if r == 0 else None, targets if r == last_rank else None, loss_fn, *extra)
             for r in self.ranks
         }
+
+    def _live(self, tick_state_of=None):
+        """(publish interval, progress callback) when a view is attached, else (None, None)."""
+        if self.view is None:
+            return None, None
+
+        def progress(ar) -> None:
+            spans = {d["rank"]: d["spans"] for d in ar.data if isinstance(d, dict) and "spans" in d}
+            if spans:
+                self.view.refresh(spans, final=False, tick_state=tick_state_of() if tick_state_of else None)
+
+        return LIVE_PUBLISH_SECONDS, progress
 
     # -- running ------------------------------------------------------------------------------------------------
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, timeout: float | None = None):
         """One training step (forward and backward of every micro-batch, then the optimizer if given) at full
         speed; returns the loss of the whole batch, and keeps the measured timeline in `.timeline`."""
-        results = self.cluster.run_each(executor.step, self._step_args(inputs, targets, loss_fn), timeout=timeout)
+        publish_every, progress = self._live()
+        args = self._step_args(inputs, targets, loss_fn, publish_every)
+        results = self.cluster.run_each(executor.step, args, timeout=timeout, progress=progress)
         return self._record(results)
 
-    def _record(self, results: list[dict]) -> float:
+    def _record(self, results: list[dict], tick_state=None) -> float:
         self.last_results = results
         self.loss = next(r["loss"] for r in results if r["loss"] is not None)
+        if self.view is not None:
+            self.view.refresh({r["rank"]: r["spans"] for r in results}, final=True, tick_state=tick_state,
+                              throttle=tick_state is None)
         return self.loss
+
+    def widget(self):
+        """A live view (measured Gantt, the ideal beneath, busy/idle, bubble); later steps update it as they run."""
+        from nbdist.widgets.pipeline_view import PipelineView
+
+        self.view = PipelineView(self)
+        if self.last_results:
+            self.view.refresh({r["rank"]: r["spans"] for r in self.last_results})
+        return self.view
 
     @property
     def timeline(self):
@@ -166,13 +194,12 @@ class Pipeline:
 
     def _gather(self, grads: bool) -> dict:
         per_rank = self.cluster.run(executor.parameters, self.id, grads, ranks=self.ranks)
-        out = {}
-        for stage_tensors in per_rank:
-            for stage, tensors in stage_tensors.items():
-                first = self.ranges[stage][0]
-                for key, value in tensors.items():
-                    local, _, rest = key.partition(".")
-                    out[f"{first + int(local)}.{rest}"] = value
+        out = {
+            unsplit_key(self.ranges[stage][0], key): value
+            for stage_tensors in per_rank
+            for stage, tensors in stage_tensors.items()
+            for key, value in tensors.items()
+        }
         return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[0]), kv[0])))
 
     def state_dict(self) -> dict:
@@ -198,11 +225,16 @@ class Stepper:
 
     def __init__(self, pipe: Pipeline, inputs, targets, loss_fn):
         self.pipe = pipe
-        self.tick = 0
+        self._batch = (inputs, targets, loss_fn)
         self.total_ticks = 1 + max(t[-1] for t in pipe.ticks.values() if t)
+        self.view = None
+        self._begin()
+
+    def _begin(self) -> None:
+        self.tick = 0
         self.loss: float | None = None
-        self._results: dict[int, dict] = {}
-        pipe.cluster.run_each(executor.begin, pipe._step_args(inputs, targets, loss_fn))
+        self._reports: dict[int, dict] = {}
+        self.pipe.cluster.run_each(executor.begin, self.pipe._step_args(*self._batch))
 
     @property
     def done(self) -> bool:
@@ -211,17 +243,25 @@ class Stepper:
     def next(self, k: int = 1) -> TickState:
         """Run the next k ticks on all ranks, then stop there."""
         if self.done:
-            raise DistUsageError("the step is complete: make a new stepper for the next step")
+            raise DistUsageError("the step is complete: make a new stepper for the next step (or reset())")
         target = min(self.tick + k, self.total_ticks)
-        pending = [r for r in self.pipe.ranks if r not in self._results]
-        reports = self.pipe.cluster.run(executor.advance, self.pipe.id, target, ranks=pending)
-        for rank, report in zip(pending, reports):
-            if report is not None:
-                self._results[rank] = report
+        pending = [r for r in self.pipe.ranks if not self._reports.get(r, {}).get("done")]
+        publish_every, progress = self._live(target)
+        args = {r: (self.pipe.id, target, publish_every) for r in pending}
+        for report in self.pipe.cluster.run_each(executor.advance, args, progress=progress):
+            self._reports[report["rank"]] = report
         self.tick = target
         if self.done:
-            self.loss = self.pipe._record([self._results[r] for r in sorted(self._results)])
+            self.loss = self.pipe._record([self._reports[r] for r in sorted(self._reports)], self.state())
+        elif self.view is not None:
+            self.view.refresh(self.spans(), final=False, tick_state=self.state())
         return self.state()
+
+    def _live(self, target: int):
+        """Live updates only for runs of more than a few ticks (a single tick is drawn when it returns)."""
+        if self.view is None or target - self.tick <= 1:
+            return None, None
+        return self.pipe._live(self.state)
 
     def run(self) -> float:
         """Run to the end of the step; returns the loss."""
@@ -229,8 +269,28 @@ class Stepper:
             self.next(self.total_ticks - self.tick)
         return self.loss
 
+    def reset(self) -> None:
+        """Start the step again from tick 0 (a step half-done is first completed, so no message is left over)."""
+        if not self.done:
+            self.next(self.total_ticks - self.tick)
+        self._begin()
+        if self.view is not None:
+            self.view.refresh({}, final=False, tick_state=self.state())
+
     def state(self) -> TickState:
         return state_at(self.pipe.schedule, self.pipe.ticks, self.tick)
+
+    def spans(self) -> dict:
+        """rank -> spans measured so far in this step."""
+        return {rank: report["spans"] for rank, report in self._reports.items()}
+
+    def widget(self):
+        """Step / Run / Reset buttons over the live view; the measured Gantt grows tick by tick."""
+        from nbdist.widgets.pipeline_view import PipelineView
+
+        self.view = self.pipe.view = PipelineView(self.pipe, stepper=self)
+        self.view.refresh(self.spans(), final=True, tick_state=self.state())
+        return self.view
 
 
 def portable(fn: Callable | None) -> bytes | None:
@@ -246,7 +306,8 @@ def _meta_model(model) -> nn.Sequential:
     if isinstance(model, nn.Sequential):
         return nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in model])
     if isinstance(model, nn.Module):
-        raise DistUsageError(f"the model must be an nn.Sequential (or a function building one), got {type(model).__name__}")
+        kind = type(model).__name__
+        raise DistUsageError(f"the model must be an nn.Sequential (or a function building one), got {kind}")
     if not callable(model):
         raise DistUsageError(f"the model must be an nn.Sequential or a function building one, got {model!r}")
     with torch.device("meta"):

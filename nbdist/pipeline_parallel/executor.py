@@ -100,9 +100,14 @@ class StageExecutor:
             state.targets = list(targets.to(self.device).chunk(self.microbatches))
         self.loss_fn = loss_fn
 
-    def advance(self, until_tick: int | None = None) -> int:
-        """Run actions until the next one belongs to tick `until_tick` (None: to the end). Returns actions run."""
+    def advance(self, until_tick: int | None = None, publish_every: float | None = None) -> int:
+        """Run actions until the next one belongs to tick `until_tick` (None: to the end). Returns actions run.
+
+        With `publish_every`, the spans so far are published to the notebook (ipyparallel's datapub) at most that
+        often, for a live timeline; the check costs one clock read per action.
+        """
         state, ran = self.state, 0
+        last_publish = time.perf_counter()
         while state.position < len(self.program):
             if until_tick is not None and self.ticks[state.position] >= until_tick:
                 break
@@ -110,6 +115,9 @@ class StageExecutor:
             self._run(self.program[state.position])
             state.position += 1
             ran += 1
+            if publish_every is not None and state.spans[-1].end - last_publish > publish_every:
+                last_publish = state.spans[-1].end
+                _publish(self.rank, state.spans)
         return ran
 
     def finish(self) -> dict:
@@ -120,7 +128,7 @@ class StageExecutor:
         if self.optimizer is not None and self.pipedream_lr is None:
             self.optimizer.step()
         loss = float(sum(state.losses) / self.microbatches) if state.losses else None
-        return {"rank": self.rank, "loss": loss, "spans": [(s.action, s.start, s.end, s.wait) for s in state.spans]}
+        return {"rank": self.rank, "loss": loss, "spans": _as_tuples(state.spans)}
 
     @property
     def done(self) -> bool:
@@ -321,17 +329,29 @@ def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
     executor.begin(inputs, targets, _restore(loss_fn))
 
 
-def advance(pipeline_id: str, until_tick: int | None) -> dict | None:
-    """Run to the tick boundary; when the rank's list is done, finish and report."""
+def advance(pipeline_id: str, until_tick: int | None, publish_every: float | None = None) -> dict:
+    """Run to the tick boundary. Reports the spans so far, and when the rank's list is done, finishes the step."""
     executor = _PIPELINES[pipeline_id]
-    executor.advance(until_tick)
-    return executor.finish() if executor.done else None
+    executor.advance(until_tick, publish_every)
+    if executor.done:
+        return {**executor.finish(), "done": True}
+    return {"rank": executor.rank, "loss": None, "spans": _as_tuples(executor.state.spans), "done": False}
 
 
-def step(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> dict:
+def step(pipeline_id: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
     """A whole step at full speed: no synchronisation between ticks."""
     begin(pipeline_id, shapes, inputs, targets, loss_fn)
-    return advance(pipeline_id, None)
+    return advance(pipeline_id, None, publish_every)
+
+
+def _as_tuples(spans: list) -> list[tuple]:
+    return [(s.action, s.start, s.end, s.wait) for s in spans]
+
+
+def _publish(rank: int, spans: list) -> None:
+    from ipyparallel.datapub import publish_data
+
+    publish_data({"rank": rank, "spans": _as_tuples(spans)})
 
 
 def parameters(pipeline_id: str, grads: bool) -> dict:
@@ -339,7 +359,7 @@ def parameters(pipeline_id: str, grads: bool) -> dict:
     out = {}
     for stage, module in _PIPELINES[pipeline_id].modules.items():
         if grads:
-            out[stage] = {k: (p.grad.detach().cpu() if p.grad is not None else None) for k, p in module.named_parameters()}
+            out[stage] = {k: None if p.grad is None else p.grad.detach().cpu() for k, p in module.named_parameters()}
         else:
             out[stage] = {k: v.detach().cpu() for k, v in module.state_dict().items()}
     return out

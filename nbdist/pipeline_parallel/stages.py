@@ -64,3 +64,10 @@ def boundaries(counts: Sequence[int]) -> list[tuple[int, int]]:
 
 def parameter_sizes(model) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
+
+
+def unsplit_key(first_layer: int, key: str) -> str:
+    """A stage's parameter key under the whole model's numbering: '1.weight' of a stage starting at layer 4 is
+    '5.weight' (stages are nn.Sequential slices of the model, numbered from 0)."""
+    local, _, rest = key.partition(".")
+    return f"{first_layer + int(local)}.{rest}"

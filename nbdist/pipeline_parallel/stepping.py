@@ -9,31 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nbdist.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F, Action
-from nbdist.schedules.simulate import ready
+from nbdist.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F
+from nbdist.schedules.simulate import ticks as lockstep
 
 
 def action_ticks(schedule) -> dict[int, list[int]]:
-    """rank -> the tick of each of its actions (schedules from `build`/`from_actions` never deadlock)."""
-    last = schedule.stages - 1
-    position = {r: 0 for r in schedule.program}
-    ticks: dict[int, list[int]] = {r: [] for r in schedule.program}
-    done: set[Action] = set()
-    tick = 0
-    while any(position[r] < len(acts) for r, acts in schedule.program.items()):
-        runnable = [
-            (r, acts[position[r]])
-            for r, acts in schedule.program.items()
-            if position[r] < len(acts) and ready(acts[position[r]], done, last)
-        ]
-        if not runnable:
-            raise RuntimeError(f"schedule {schedule.name!r} deadlocks at tick {tick}")
-        for r, a in runnable:
-            done.add(a)
-            ticks[r].append(tick)
-            position[r] += 1
-        tick += 1
-    return ticks
+    """rank -> the tick of each of its actions, from the same lockstep rounds the deadlock check plays."""
+    out: dict[int, list[int]] = {r: [] for r in schedule.program}
+    for tick, runnable in enumerate(lockstep(schedule)):
+        for rank, _ in runnable:
+            out[rank].append(tick)
+    return out
 
 
 @dataclass

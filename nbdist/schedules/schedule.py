@@ -1,7 +1,7 @@
 """A pipeline schedule as plain data: for each rank, the ordered list of its actions.
 
-Generation (generators.py), simulation (simulate.py), execution (nbdist.pipeline_parallel) and drawing (nbdist.viz) all read
-this one structure. Stages are placed round-robin ("looped"): stage s lives on rank s % ranks, so with v chunks
+Generation (generators.py), simulation (simulate.py), execution (nbdist.pipeline_parallel) and drawing
+(nbdist.viz) all read this one structure. Stages are placed round-robin ("looped"): stage s lives on rank s % ranks, so with v chunks
 rank r holds stages r, r + p, r + 2p, ...
 """
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Schedule:
         Lists without sends and receives get them added; None entries (torch's idle slots) are skipped. The
         schedule is checked: every stage on the right rank, every send matched, no deadlock.
         """
-        program = {int(r): [Action.parse(a) for a in acts if a is not None and str(a).strip()] for r, acts in actions.items()}
+        program = {
+            int(r): [Action.parse(a) for a in acts if a is not None and str(a).strip()] for r, acts in actions.items()
+        }
         ranks = len(program)
         if sorted(program) != list(range(ranks)):
             raise DistUsageError(f"ranks must be numbered 0..{ranks - 1}, got {sorted(program)}")

@@ -1,9 +1,19 @@
-"""Checking and simulating schedules.
+"""Checking and simulating schedules, and the Timeline both simulated and measured steps are drawn from.
 
 Semantics shared with the executor: a send never blocks (it is buffered, like isend); a receive blocks until the
 matching send has happened; a compute action needs its inputs (its forward's input, its backward's gradient).
+`requirements` states these once; `ready` (the check and the stepper's ticks) and `simulate` (the clock) read them.
+
+Duration convention of `simulate`: `forward` and `backward` are the times of one micro-batch through one rank's
+share of the model. With v chunks per rank each chunk's action takes duration / v, so every schedule does the same
+total work and their makespans compare directly. Sends and receives take no compute time; a message arrives `comm`
+after its send.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from nbdist.errors import DistUsageError
 from nbdist.schedules.actions import (
@@ -17,6 +27,53 @@ from nbdist.schedules.actions import (
     SEND_F,
     Action,
 )
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dependencies
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def requirements(a: Action, last_stage: int) -> list[tuple[Action, ...]]:
+    """What `a` waits for: a list of needs, each satisfied by any one of its alternatives.
+
+    Alternatives exist because an input arrives either by message (RECV_F) or, when the previous stage sits on the
+    same rank (several chunks), directly from that stage's forward.
+    """
+    s, j = a.stage, a.microbatch
+    if a.kind in (RECV_F, RECV_B):
+        return [(a.matching(),)]
+    if a.kind == SEND_F:
+        return [(Action(s, FORWARD, j),)]
+    if a.kind == SEND_B:
+        return [(Action(s, BACKWARD, j), Action(s, BACKWARD_INPUT, j))]
+    if a.kind == FORWARD:
+        return [] if s == 0 else [(Action(s, RECV_F, j), Action(s - 1, FORWARD, j))]
+    if a.kind in (BACKWARD, BACKWARD_INPUT):
+        needs = [(Action(s, FORWARD, j),)]
+        if s != last_stage:
+            needs.append((Action(s, RECV_B, j), Action(s + 1, BACKWARD, j), Action(s + 1, BACKWARD_INPUT, j)))
+        return needs
+    if a.kind == BACKWARD_WEIGHT:
+        return [(Action(s, BACKWARD_INPUT, j),)]
+    raise ValueError(a)
+
+
+def ready(a: Action, done: set[Action] | Mapping[Action, Any], last_stage: int) -> bool:
+    """Can `a` run now, given the actions already done anywhere (a set, or a dict keyed by action)?"""
+    return all(any(x in done for x in alternatives) for alternatives in requirements(a, last_stage))
+
+
+def _inputs_at(a: Action, finished: Mapping[Action, float], last_stage: int, comm: float) -> float:
+    """When `a`'s inputs are all there, given when each done action finished (a message adds `comm`)."""
+    time = 0.0
+    for alternatives in requirements(a, last_stage):
+        time = max(time, max(finished[x] for x in alternatives if x in finished))
+    return time + comm if a.kind in (RECV_F, RECV_B) else time
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checking
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def _missing(schedule) -> list[str]:
@@ -37,35 +94,12 @@ def _missing(schedule) -> list[str]:
     return problems
 
 
-def ready(a: Action, done: set[Action], last_stage: int) -> bool:
-    """Can `a` run now, given the set of actions already done anywhere?"""
-    s, j = a.stage, a.microbatch
-    if a.kind in (RECV_F, RECV_B):
-        return a.matching() in done
-    if a.kind == SEND_F:
-        return Action(s, FORWARD, j) in done
-    if a.kind == SEND_B:
-        return Action(s, BACKWARD, j) in done or Action(s, BACKWARD_INPUT, j) in done
-    if a.kind == FORWARD:
-        return s == 0 or Action(s, RECV_F, j) in done or Action(s - 1, FORWARD, j) in done
-    if a.kind in (BACKWARD, BACKWARD_INPUT):
-        has_grad = (
-            s == last_stage
-            or Action(s, RECV_B, j) in done
-            or Action(s + 1, BACKWARD, j) in done
-            or Action(s + 1, BACKWARD_INPUT, j) in done
-        )
-        return Action(s, FORWARD, j) in done and has_grad
-    if a.kind == BACKWARD_WEIGHT:
-        return Action(s, BACKWARD_INPUT, j) in done
-    raise ValueError(a)
+def ticks(schedule) -> Iterator[list[tuple[int, Action]]]:
+    """The lockstep rounds: at each tick every rank runs its next action if that action is ready.
 
-
-def check(schedule) -> None:
-    """Refuse a schedule that misses actions or would deadlock, naming the rank, the tick and the action."""
-    problems = _missing(schedule)
-    if problems:
-        raise DistUsageError(f"schedule {schedule.name!r} is incomplete: " + "; ".join(problems[:5]))
+    Yields, per tick, the (rank, action) pairs that run. A tick where nothing can run while actions remain is a
+    deadlock: refused, naming the rank, the tick and the action it would wait on forever.
+    """
     last = schedule.stages - 1
     position = {r: 0 for r in schedule.program}
     done: set[Action] = set()
@@ -83,7 +117,203 @@ def check(schedule) -> None:
                 f"schedule {schedule.name!r} deadlocks: rank {rank} would wait forever at tick {tick} "
                 f"on {blocked} (action {position[rank]} of its list): what it needs is never produced before"
             )
+        yield runnable
         for r, a in runnable:
             done.add(a)
             position[r] += 1
         tick += 1
+
+
+def _refuse_incomplete(schedule) -> None:
+    problems = _missing(schedule)
+    if problems:
+        raise DistUsageError(f"schedule {schedule.name!r} is incomplete: " + "; ".join(problems[:5]))
+
+
+def check(schedule) -> None:
+    """Refuse a schedule that misses actions or would deadlock, naming the rank, the tick and the action."""
+    _refuse_incomplete(schedule)
+    for _ in ticks(schedule):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timeline
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action on one rank: when it started and ended, and how much of that it spent waiting for a message."""
+
+    action: Action
+    start: float
+    end: float
+    wait: float = 0.0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def busy(self) -> float:
+        """Compute time in this span (sends and receives do none; a measured compute span may include a wait)."""
+        return self.duration - self.wait if self.action.is_compute else 0.0
+
+
+@dataclass
+class Timeline:
+    """Per rank, the spans of one step, in the order the rank ran them; the same for simulated and measured steps.
+
+    `unit` names the time axis: "s" for a measured step, "" for a simulation (the unit of its durations).
+    """
+
+    spans: dict[int, list[Span]]
+    unit: str = "s"
+    name: str = ""
+
+    @classmethod
+    def from_spans(cls, spans: Mapping[int, Iterable[Any]], unit: str = "s", name: str = "") -> Timeline:
+        """A timeline from per-rank spans: (action, start, end[, wait]) tuples or objects with those attributes.
+
+        Actions may be strings ('0F3') or Actions. Times are shifted so the earliest start is 0, because a measured
+        clock (time.perf_counter) starts anywhere; all ranks must share that clock.
+        """
+        rows = {int(rank): [_as_span(item) for item in items] for rank, items in spans.items()}
+        starts = [s.start for row in rows.values() for s in row]
+        origin = min(starts) if starts else 0.0
+        shifted = {
+            rank: [Span(s.action, s.start - origin, s.end - origin, s.wait) for s in row]
+            for rank, row in sorted(rows.items())
+        }
+        return cls(shifted, unit=unit, name=name)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.spans)
+
+    @property
+    def start(self) -> float:
+        return min((s.start for row in self.spans.values() for s in row), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((s.end for row in self.spans.values() for s in row), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first start to the last end, over all ranks."""
+        return self.end - self.start
+
+    @property
+    def busy_time(self) -> dict[int, float]:
+        """rank -> time spent computing."""
+        return {rank: sum(s.busy for s in row) for rank, row in self.spans.items()}
+
+    @property
+    def busy_fraction(self) -> dict[int, float]:
+        """rank -> share of the makespan it spent computing."""
+        makespan = self.makespan
+        return {rank: busy / makespan if makespan else 0.0 for rank, busy in self.busy_time.items()}
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time: 1 - total compute time / (ranks x makespan)."""
+        capacity = self.ranks * self.makespan
+        return 1.0 - sum(self.busy_time.values()) / capacity if capacity else 0.0
+
+    @property
+    def wait_time(self) -> dict[int, float]:
+        """rank -> time spent inside receives (and compute spans) waiting for a message."""
+        return {rank: sum(s.wait for s in row) for rank, row in self.spans.items()}
+
+    @property
+    def peak_activations(self) -> dict[int, int]:
+        """rank -> most (stage, micro-batch) activations held at once.
+
+        An activation is made by F and freed by B, or by W when the backward is split (W still needs the stage's
+        inputs). With v chunks each count is one chunk's activation, 1/v of a rank's share of the model.
+        """
+        return {rank: _peak_held(row) for rank, row in self.spans.items()}
+
+    def figure(self, **kwargs):
+        """Plotly Gantt of this timeline (see nbdist.viz.timeline.timeline_figure for the options)."""
+        from nbdist.viz.timeline import timeline_figure
+
+        return timeline_figure(self, **kwargs)
+
+    def __repr__(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        return (f"<Timeline {self.name or ''}: {self.ranks} ranks, makespan {self.makespan:.4g}{unit}, "
+                f"bubble {self.bubble_fraction:.1%}>")
+
+
+def _as_span(item: Any) -> Span:
+    if isinstance(item, Span):
+        return item
+    if isinstance(item, (tuple, list)):
+        action, start, end, *rest = item
+        wait = rest[0] if rest else 0.0
+    else:
+        action, start, end, wait = item.action, item.start, item.end, getattr(item, "wait", 0.0)
+    return Span(Action.parse(action), float(start), float(end), float(wait))
+
+
+def _peak_held(row: list[Span]) -> int:
+    """Replay one rank's spans in order, counting live (stage, micro-batch) activations."""
+    split = {(s.action.stage, s.action.microbatch) for s in row if s.action.kind == BACKWARD_INPUT}
+    held = peak = 0
+    for span in row:
+        a = span.action
+        frees = a.kind == BACKWARD or (a.kind == BACKWARD_WEIGHT and (a.stage, a.microbatch) in split)
+        held += 1 if a.kind == FORWARD else -1 if frees else 0
+        peak = max(peak, held)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Simulation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def durations(schedule, forward: float = 1.0, backward: float = 2.0, weight: float | None = None) -> dict[str, float]:
+    """Compute time of each action kind for `schedule`, following the module's duration convention.
+
+    weight=None: backward is the whole backward; a split schedule spends half of it in I and half in W.
+    weight given: the backward is `backward` + `weight`; a split schedule spends `backward` in I and `weight` in W,
+    one that does not split spends both in B. So one call compares every schedule on the same work.
+    """
+    if weight is None:
+        times = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward / 2, BACKWARD_WEIGHT: backward / 2}
+    else:
+        times = {FORWARD: forward, BACKWARD: backward + weight, BACKWARD_INPUT: backward, BACKWARD_WEIGHT: weight}
+    return {kind: t / schedule.chunks for kind, t in times.items()}
+
+
+def simulate(schedule, forward: float = 1.0, backward: float = 2.0, weight: float | None = None,
+             comm: float = 0.0) -> Timeline:
+    """Play the schedule on an ideal machine: each rank runs its list in order, every action as soon as possible.
+
+    An action starts at max(the rank's clock, when its inputs are there). Compute spans last their duration; a send
+    lasts nothing; a receive lasts as long as the rank waited for the message, and records that as its wait.
+    """
+    _refuse_incomplete(schedule)
+    times = durations(schedule, forward, backward, weight)
+    last = schedule.stages - 1
+    clock = {r: 0.0 for r in schedule.program}
+    finished: dict[Action, float] = {}
+    spans: dict[int, list[Span]] = {r: [] for r in sorted(schedule.program)}
+    for runnable in ticks(schedule):
+        for rank, a in runnable:
+            span = _play(a, clock[rank], _inputs_at(a, finished, last, comm), times)
+            spans[rank].append(span)
+            clock[rank] = finished[a] = span.end
+    return Timeline(spans, unit="", name=schedule.name)
+
+
+def _play(a: Action, clock: float, inputs_at: float, times: dict[str, float]) -> Span:
+    if a.kind in (RECV_F, RECV_B):
+        end = max(clock, inputs_at)
+        return Span(a, clock, end, wait=end - clock)
+    start = max(clock, inputs_at)
+    return Span(a, start, start + times.get(a.kind, 0.0))

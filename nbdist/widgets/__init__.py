@@ -1,0 +1,1 @@
+"""ipywidgets over nbdist.viz: live views that fall back to static figures when nothing renders widgets."""

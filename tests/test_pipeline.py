@@ -1,0 +1,145 @@
+"""Pipeline parallelism on a real 4-engine cluster: every schedule equals the same model run whole in one process."""
+import pytest
+import torch
+from torch import nn
+
+import nbdist
+from nbdist.errors import DistUsageError
+from nbdist.options import ClusterOptions
+from nbdist.pipeline_parallel.pipedream import pipedream_reference
+from nbdist.schedules import NAMES, build
+
+LOSS = nn.functional.mse_loss
+ATOL = 1e-5
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for i in range(8):
+        layers += [nn.Linear(12, 12), nn.Tanh()] if i < 7 else [nn.Linear(12, 3)]
+    return nn.Sequential(*layers)
+
+
+@pytest.fixture(scope="module")
+def four():
+    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    torch.manual_seed(1)
+    return torch.randn(16, 12), torch.randn(16, 3)
+
+
+def serial(batch):
+    model = build_model()
+    loss = LOSS(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.item(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def assert_same_grads(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=0)
+
+
+SYNCHRONOUS = [name for name in NAMES if name != "pipedream"]
+
+
+@pytest.mark.parametrize("name", SYNCHRONOUS)
+def test_schedule_equals_serial(four, batch, name):
+    chunks = 2 if name.startswith("interleaved") else 1
+    pipe = nbdist.pipeline(build_model, 4, name, microbatches=4, chunks=chunks, cluster=four)
+    loss = pipe.step(*batch, LOSS)
+    expected_loss, expected_grads = serial(batch)
+    assert loss == pytest.approx(expected_loss, abs=ATOL)
+    assert_same_grads(pipe.grads(), expected_grads)
+    pipe.close()
+
+
+def test_module_split_unevenly_equals_serial(four, batch):
+    model = build_model()
+    pipe = nbdist.pipeline(model, 3, "gpipe", microbatches=8, balance=[2, 9, 4], cluster=four)
+    loss = pipe.step(*batch, LOSS)
+    expected_loss, expected_grads = serial(batch)
+    assert pipe.balance == [2, 9, 4]
+    assert loss == pytest.approx(expected_loss, abs=ATOL)
+    assert_same_grads(pipe.grads(), expected_grads)
+    torch.testing.assert_close(pipe.state_dict(), model.state_dict(), atol=0, rtol=0)
+
+
+def test_pipedream_follows_weight_stashing_semantics(four, batch):
+    lr = 0.05
+    pipe = nbdist.pipeline(build_model, 4, "pipedream", microbatches=8, lr=lr, cluster=four)
+    loss = pipe.step(*batch, LOSS)
+    reference = pipedream_reference(build_model(), pipe.schedule, pipe.ranges, *batch, LOSS, lr)
+    assert loss == pytest.approx(reference["loss"], abs=ATOL)
+    assert_same_grads(pipe.grads(), reference["grads"])
+    torch.testing.assert_close(pipe.state_dict(), reference["state_dict"], atol=ATOL, rtol=0)
+    assert max(reference["versions"].values()) > 0  # later micro-batches really saw updated (newer) weights
+
+
+def test_optimizer_steps_after_the_schedule(four, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four,
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    pipe.step(*batch, LOSS)
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    LOSS(model(batch[0]), batch[1]).backward()
+    opt.step()
+    torch.testing.assert_close(pipe.state_dict(), model.state_dict(), atol=ATOL, rtol=0)
+
+
+def test_stepper_runs_tick_by_tick_to_the_same_result(four, batch):
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+    stepper = pipe.stepper(*batch, LOSS)
+    state = stepper.next()
+    assert state.tick == 1 and state.last_actions[0] == "0F0" and state.last_actions[3] is None
+    state = stepper.next(3)
+    assert state.tick == 4 and state.activations[0] == 2
+    assert any("0SEND_F1" in message for message in state.in_flight)
+    loss = stepper.run()
+    assert stepper.done and stepper.state().in_flight == []
+    expected_loss, expected_grads = serial(batch)
+    assert loss == pytest.approx(expected_loss, abs=ATOL)
+    assert_same_grads(pipe.grads(), expected_grads)
+    with pytest.raises(DistUsageError, match="the step is complete"):
+        stepper.next()
+
+
+def test_measured_timeline_has_every_action(four, batch):
+    pipe = nbdist.pipeline(build_model, 4, "gpipe", microbatches=4, cluster=four)
+    pipe.step(*batch, LOSS)
+    timeline = pipe.timeline
+    assert timeline.makespan > 0 and 0 <= timeline.bubble_fraction < 1
+    expected = build("gpipe", 4, 4).actions
+    for rank in range(4):
+        assert [str(span.action) for span in timeline.spans[rank]] == expected[rank]
+    assert timeline.peak_activations == {0: 4, 1: 4, 2: 4, 3: 4}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stages=5), "stages=5 needs 5 ranks but the cluster has 4"),
+        (dict(stages=2, chunks=2, schedule="interleaved-1f1b", model=nn.Sequential(nn.Linear(2, 2))), "fewer than"),
+        (dict(stages=2, balance=[1, 1]), "sums to 2, but the model has 15 layers"),
+        (dict(stages=2, schedule="zigzag"), "unknown schedule 'zigzag'"),
+    ],
+)
+def test_bad_pipelines_name_the_constraint(four, kwargs, message):
+    kwargs = {"model": build_model, "cluster": four, "microbatches": 4, **kwargs}
+    with pytest.raises(DistUsageError, match=message):
+        nbdist.pipeline(**kwargs)
+
+
+def test_batch_that_microbatches_do_not_divide(four, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=3, cluster=four)
+    with pytest.raises(DistUsageError, match="batch of 16 inputs does not split into 3 equal micro-batches"):
+        pipe.step(*batch, LOSS)
+    pipe2 = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    assert pipe2.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # nothing left hanging
