@@ -1,8 +1,8 @@
 """A pipeline schedule as plain data: for each rank, the ordered list of its actions.
 
 Generation (generators.py), simulation (simulate.py), execution (nbdist.pipeline_parallel) and drawing
-(nbdist.viz) all read this one structure. Stages are placed round-robin ("looped"): stage s lives on rank s % ranks, so with v chunks
-rank r holds stages r, r + p, r + 2p, ...
+(nbdist.viz) all read this one structure. Stages are placed round-robin ("looped"): stage s lives on rank
+s % ranks, so with v chunks rank r holds stages r, r + p, r + 2p, ...
 """
 from __future__ import annotations
 
