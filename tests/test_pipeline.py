@@ -143,3 +143,15 @@ def test_batch_that_microbatches_do_not_divide(four, batch):
         pipe.step(*batch, LOSS)
     pipe2 = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
     assert pipe2.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # nothing left hanging
+
+
+def test_a_rank_failing_mid_step_frees_the_others(four, batch):
+    """The last stage raises in its loss; the ranks waiting for its gradients are interrupted, not left stuck."""
+
+    def broken_loss(output, target):
+        raise ValueError("loss exploded")
+
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+    with pytest.raises(nbdist.DistError, match=r"rank 3 raised ValueError: loss exploded.*interrupted rank\(s\)"):
+        pipe.step(*batch, broken_loss, timeout=60)
+    assert pipe.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # same pipeline, next step works

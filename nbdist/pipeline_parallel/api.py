@@ -79,7 +79,8 @@ class Pipeline:
         self.balance = layer_counts(parameter_sizes(self.meta_model), pieces, balance)
         self.ranges = boundaries(self.balance)
         self.ticks = action_ticks(self.schedule)
-        self.id = f"pipe{next(_ids)}"
+        self.number = next(_ids)
+        self.id = f"pipe{self.number}"
         self.ranks = list(range(stages))
         self._shapes: dict = {}
         self.last_results: list[dict] = []
@@ -97,7 +98,7 @@ class Pipeline:
                 modules = {s: nn.Sequential(*list(model)[slice(*self.ranges[s])]) for s in my_stages}
             else:
                 modules = ("build", portable(model), {s: self.ranges[s] for s in my_stages})
-            args[rank] = (self.id, rank, self.schedule.ranks, self.schedule.actions[rank], self.ticks[rank],
+            args[rank] = (self.id, self.number, rank, self.schedule.ranks, self.schedule.actions[rank], self.ticks[rank],
                           modules, self.schedule.stages, self.schedule.microbatches, transport,
                           portable(optimizer), pipedream_lr)
         self.cluster.run_each(executor.setup, args)

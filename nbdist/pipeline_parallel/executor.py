@@ -33,6 +33,7 @@ from nbdist.schedules.actions import (
 )
 
 RECEIVE_LOOKAHEAD = 4  # receives posted ahead of need: overlap without holding every buffer at once
+TAG_EPOCHS = 64  # steps before message tags repeat
 
 
 @dataclass
@@ -85,11 +86,15 @@ class StageExecutor:
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.pipedream_lr = pipedream_lr
         self.world_ranks = None
+        self.number = 0  # the pipeline's number, and the step's epoch: both go into message tags
+        self.epoch = 0
         self.state = StepState()
 
     # -- the step ---------------------------------------------------------------------------------------------
 
     def begin(self, inputs, targets, loss_fn) -> None:
+        self._abandon(self.state)
+        self.epoch += 1
         for module in self.modules.values():
             for p in module.parameters():
                 p.grad = None
@@ -286,9 +291,21 @@ class StageExecutor:
         return stage in self.modules
 
     def _tag(self, receive: Action) -> int:
-        """One tag per message: (direction, receiving stage, micro-batch)."""
+        """One tag per message: (pipeline, step epoch, direction, receiving stage, micro-batch). The pipeline and
+        the epoch keep a message left over by an interrupted step from matching a receive of a later one."""
         direction = 0 if receive.kind == RECV_F else 1
-        return (direction * self.stages + receive.stage) * self.microbatches + receive.microbatch
+        per_step = 2 * self.stages * self.microbatches
+        within = (direction * self.stages + receive.stage) * self.microbatches + receive.microbatch
+        steps = max(1, self.transport.max_tag // per_step)
+        return ((self.number * TAG_EPOCHS + self.epoch % TAG_EPOCHS) * per_step + within) % (steps * per_step)
+
+    @staticmethod
+    def _abandon(state: StepState) -> None:
+        """Cancel the receives an interrupted step left posted (MPI would fill those buffers later)."""
+        for _, request in state.received.values():
+            cancel = getattr(request, "cancel", None)
+            if cancel is not None:
+                cancel()
 
 
 # -- entry points the notebook calls on each rank (through Cluster.run / run_each) -------------------------------
@@ -303,7 +320,16 @@ def _restore(payload):
     return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
 
 
-def setup(pipeline_id: str, rank: int, world: int, program: list[str], ticks: list[int], modules: dict,
+def _executor(pipeline_id: str) -> StageExecutor:
+    try:
+        return _PIPELINES[pipeline_id]
+    except KeyError:
+        raise RuntimeError(
+            "this pipeline's stages are gone from the engines (were they restarted?): create the pipeline again"
+        ) from None
+
+
+def setup(pipeline_id: str, number: int, rank: int, world: int, program: list[str], ticks: list[int], modules: dict,
           stages: int, microbatches: int, transport: str, optimizer, pipedream_lr) -> str:
     """Build this rank's executor. `modules` maps stage -> module, or is ("build", fn, {stage: layer range}): then
     this rank builds the model itself and keeps its layers (nothing large crosses the network)."""
@@ -319,19 +345,20 @@ def setup(pipeline_id: str, rank: int, world: int, program: list[str], ticks: li
     executor = StageExecutor(rank, [Action.parse(a) for a in program], ticks, built, stages, microbatches, {},
                              boot().device, transport, optimizer, pipedream_lr)
     executor.world_ranks = world
+    executor.number = number
     _PIPELINES[pipeline_id] = executor
     return executor.device.type
 
 
 def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
-    executor = _PIPELINES[pipeline_id]
+    executor = _executor(pipeline_id)
     executor.boundary_shapes = shapes
     executor.begin(inputs, targets, _restore(loss_fn))
 
 
 def advance(pipeline_id: str, until_tick: int | None, publish_every: float | None = None) -> dict:
     """Run to the tick boundary. Reports the spans so far, and when the rank's list is done, finishes the step."""
-    executor = _PIPELINES[pipeline_id]
+    executor = _executor(pipeline_id)
     executor.advance(until_tick, publish_every)
     if executor.done:
         return {**executor.finish(), "done": True}
@@ -357,7 +384,7 @@ def _publish(rank: int, spans: list) -> None:
 def parameters(pipeline_id: str, grads: bool) -> dict:
     """stage -> {local key: tensor} of this rank's parameters (or their gradients), on the CPU."""
     out = {}
-    for stage, module in _PIPELINES[pipeline_id].modules.items():
+    for stage, module in _executor(pipeline_id).modules.items():
         if grads:
             out[stage] = {k: None if p.grad is None else p.grad.detach().cpu() for k, p in module.named_parameters()}
         else:

@@ -9,12 +9,15 @@ Tags keep messages apart, so receives can be posted early, in any order.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 
 class TorchTransport:
     name = "torch"
+    max_tag = 2**31 - 1
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         return dist.isend(tensor, peer, tag=tag)
@@ -28,7 +31,19 @@ class _MpiRequest:
         self.request, self.tensor = request, tensor  # keep the buffer alive until the message is complete
 
     def wait(self) -> None:
-        self.request.Wait()
+        """Poll rather than block in MPI_Wait, so that an interrupt (a failed peer, the kernel's stop button)
+        stops this rank between polls instead of leaving it stuck. MPICH's own Wait spins too; we yield the
+        core now and then, since engines often share cores."""
+        spins = 0
+        while not self.request.Test():
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0001)
+
+    def cancel(self) -> None:
+        if not self.request.Test():
+            self.request.Cancel()
+            self.request.Free()
 
     def is_completed(self) -> bool:
         return self.request.Test()
@@ -41,6 +56,7 @@ class MpiTransport:
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD
+        self.max_tag = self.comm.Get_attr(MPI.TAG_UB)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         tensor = tensor.contiguous()
