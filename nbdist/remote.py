@@ -151,9 +151,6 @@ class Waiter:
                     failed[rank] = result
         return failed
 
-    def _describe_failures(self) -> str:
-        return "; ".join(f"rank {rank} raised {remote_summary(e)}" for rank, e in self._failed_ranks().items())
-
     # -- freeing ranks ----------------------------------------------------------------------------------------
 
     def _free_stuck(self) -> str | None:
