@@ -30,8 +30,11 @@ DRAW_EVERY = 0.5  # seconds between redraws while steps run back to back (live u
 class PipelineView:
     def __init__(self, pipe, stepper=None):
         self.pipe, self.stepper = pipe, stepper
-        self.measured = go.FigureWidget()
-        self.ideal = go.FigureWidget()
+        # Output widgets holding plain plotly figures: a FigureWidget would save ~5 MB of plotly.js in every
+        # executed notebook's widget state; a figure in an Output widget saves only its JSON.
+        self.measured = widgets.Output()
+        self.ideal = widgets.Output()
+        self._figures: tuple[go.Figure, ...] = ()
         self.stats = widgets.HTML()
         self._handle = None
         self._static = ""
@@ -76,11 +79,13 @@ class PipelineView:
         self._last_draw = time.monotonic()
         measured = Timeline.from_spans(spans_by_rank or {r: [] for r in self.pipe.ranks}, name="measured")
         highlight = measured.end if tick_state is not None and spans_by_rank else None
-        _sync(self.measured, timeline_figure(measured, title=self._measured_title(measured, tick_state),
-                                             highlight_time=highlight))
         ideal = self._ideal(measured)
-        _sync(self.ideal, timeline_figure(ideal, title=f"ideal ({self._ideal_basis(measured)}): bubble "
-                                                       f"{ideal.bubble_fraction:.1%}"))
+        self._figures = (
+            timeline_figure(measured, title=self._measured_title(measured, tick_state), highlight_time=highlight),
+            timeline_figure(ideal, title=f"ideal ({self._ideal_basis(measured)}): bubble {ideal.bubble_fraction:.1%}"),
+        )
+        for output, figure in zip((self.measured, self.ideal), self._figures):
+            _replace(output, figure)
         self.stats.value = _stats_table(measured, ideal, tick_state)
 
     def _flush_when_cell_ends(self, static: bool) -> None:
@@ -135,7 +140,7 @@ class PipelineView:
     # -- display --------------------------------------------------------------------------------------------------
 
     def _static_html(self) -> str:
-        figures = "".join(fig_html(go.Figure(f)) for f in (self.measured, self.ideal))
+        figures = "".join(fig.to_html(include_plotlyjs="cdn", full_html=False) for fig in self._figures)
         return figures + self.stats.value
 
     def _bundle(self) -> dict:
@@ -156,23 +161,12 @@ class PipelineView:
         return f"<PipelineView of {self.pipe!r}>"
 
 
-def fig_html(fig: go.Figure) -> str:
-    return fig.to_html(include_plotlyjs="cdn", full_html=False)
-
-
-def _sync(target: go.FigureWidget, source: go.Figure) -> None:
-    """Make `target` show `source`, updating traces in place when the kinds are the same (cheap, no flicker)."""
-    if [t.name for t in target.data] == [t.name for t in source.data]:
-        with target.batch_update():
-            for old, new in zip(target.data, source.data):
-                old.update(x=new.x, base=new.base, y=new.y, text=new.text, hovertext=new.hovertext)
-            target.layout.title = source.layout.title
-            target.layout.shapes = source.layout.shapes
-            target.layout.xaxis.title = source.layout.xaxis.title
-        return
-    target.data = []
-    target.add_traces(list(source.data))
-    target.layout = source.layout
+def _replace(output: widgets.Output, figure: go.Figure) -> None:
+    """Show `figure` in `output` instead of what was there (JupyterLab renders plotly's mimetype)."""
+    with output:
+        output.clear_output(wait=True)
+        display({"application/vnd.plotly.v1+json": figure.to_plotly_json(), "text/plain": figure.layout.title.text},
+                raw=True)
 
 
 def _stats_table(measured: Timeline, ideal: Timeline, tick_state) -> str:

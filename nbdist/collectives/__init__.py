@@ -1,0 +1,32 @@
+"""Collective communication: measure it (nccl-tests conventions), build it by hand, and make CPU training faster.
+
+benchmark.py    every collective timed through torch.distributed and through MPI, with algbw/busbw and checks
+costmodel.py    the alpha-beta model (latency + bytes / bandwidth) fitted to a sweep; ring vs tree predictions
+algorithms.py   ring, binomial-tree and recursive-doubling all-reduce over point-to-point messages, step by step
+hooks.py        DDP communication hooks: all-reduce through MPI on CPU; compression (fp16, bf16, top-k, PowerSGD)
+
+Names are imported on first use, so `import nbdist` stays light.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "benchmark": "benchmark",
+    "BenchmarkResult": "benchmark",
+    "OPS": "benchmark",
+    "fit_alpha_beta": "costmodel",
+    "AlphaBeta": "costmodel",
+    "ring_all_reduce": "algorithms",
+    "tree_all_reduce": "algorithms",
+    "recursive_doubling_all_reduce": "algorithms",
+    "trace": "algorithms",
+    "mpi_allreduce_hook": "hooks",
+    "register_hook": "hooks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(f"nbdist.collectives.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'nbdist.collectives' has no attribute {name!r}")
