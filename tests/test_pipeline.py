@@ -155,3 +155,21 @@ def test_a_rank_failing_mid_step_frees_the_others(four, batch):
     with pytest.raises(nbdist.DistError, match=r"rank 3 raised ValueError: loss exploded.*interrupted rank\(s\)"):
         pipe.step(*batch, broken_loss, timeout=60)
     assert pipe.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # same pipeline, next step works
+
+
+def build_wide_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU())
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_stepper_with_large_messages_never_hangs(four, name):
+    """128 KiB activations take MPI's rendezvous path: paused senders must keep their messages moving."""
+    torch.manual_seed(2)
+    x, y = torch.randn(256, 1024), torch.randn(256, 1024)
+    pipe = nbdist.pipeline(build_wide_model, 2, name, microbatches=8, cluster=four)
+    stepper = pipe.stepper(x, y, LOSS)
+    while not stepper.done:
+        stepper.next()
+    model = build_wide_model()
+    assert stepper.loss == pytest.approx(LOSS(model(x), y).item(), abs=ATOL)

@@ -12,6 +12,7 @@ so stopping there never leaves a rank waiting for a message that was not sent.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -87,12 +88,15 @@ class StageExecutor:
         self.pipedream_lr = pipedream_lr
         self.world_ranks = None
         self.number = 0  # the pipeline's number, and the step's epoch: both go into message tags
+        self._drainer: threading.Thread | None = None
+        self._drain_stop = threading.Event()
         self.epoch = 0
         self.state = StepState()
 
     # -- the step ---------------------------------------------------------------------------------------------
 
     def begin(self, inputs, targets, loss_fn) -> None:
+        self._stop_draining()
         self._abandon(self.state)
         self.epoch += 1
         for module in self.modules.values():
@@ -111,6 +115,7 @@ class StageExecutor:
         With `publish_every`, the spans so far are published to the notebook (ipyparallel's datapub) at most that
         often, for a live timeline; the check costs one clock read per action.
         """
+        self._stop_draining()
         state, ran = self.state, 0
         last_publish = time.perf_counter()
         while state.position < len(self.program):
@@ -125,11 +130,32 @@ class StageExecutor:
                 _publish(self.rank, state.spans)
         return ran
 
-    def finish(self) -> dict:
+    def pause(self) -> None:
+        """Between Stepper calls: keep the posted sends moving while this rank waits for the next call.
+
+        A large MPI message (rendezvous protocol) completes only while the *sender* also calls into MPI, and a
+        paused rank calls nothing; a small thread tests the pending sends until they are done or the rank
+        resumes. (A rank must not block on them either: the receive may only be posted at a later tick.)
+        """
+        pending = [r for r in self.state.sends if not r.is_completed()]
+        self.state.sends = pending
+        if pending:
+            self._drain_stop = threading.Event()
+            self._drainer = threading.Thread(target=_drain, args=(pending, self._drain_stop), daemon=True)
+            self._drainer.start()
+
+    def _stop_draining(self) -> None:
+        if self._drainer is not None:
+            self._drain_stop.set()
+            self._drainer.join()
+            self._drainer = None
+
+    def finish(self, wait_for_sends: bool = True) -> dict:
         """Complete the sends, apply the optimizer, report the loss (last stage) and the timed spans."""
         state = self.state
-        for request in state.sends:
-            request.wait()
+        if wait_for_sends:
+            for request in state.sends:
+                request.wait()
         if self.optimizer is not None and self.pipedream_lr is None:
             self.optimizer.step()
         loss = float(sum(state.losses) / self.microbatches) if state.losses else None
@@ -357,12 +383,25 @@ def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
 
 
 def advance(pipeline_id: str, until_tick: int | None, publish_every: float | None = None) -> dict:
-    """Run to the tick boundary. Reports the spans so far, and when the rank's list is done, finishes the step."""
+    """Run to the tick boundary. Reports the spans so far, and when the rank's list is done, finishes the step.
+
+    Stepping (until_tick given), the other ranks may post the receives of our last sends only at a later tick,
+    so we do not wait for those sends here: `pause` keeps them moving in the background.
+    """
     executor = _executor(pipeline_id)
     executor.advance(until_tick, publish_every)
+    stepping = until_tick is not None
+    if stepping:
+        executor.pause()
     if executor.done:
-        return {**executor.finish(), "done": True}
+        return {**executor.finish(wait_for_sends=not stepping), "done": True}
     return {"rank": executor.rank, "loss": None, "spans": _as_tuples(executor.state.spans), "done": False}
+
+
+def _drain(requests: list, stop: threading.Event) -> None:
+    while requests and not stop.is_set():
+        requests = [r for r in requests if not r.is_completed()]
+        time.sleep(0.0005)
 
 
 def step(pipeline_id: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
