@@ -173,3 +173,12 @@ def test_stepper_with_large_messages_never_hangs(four, name):
         stepper.next()
     model = build_wide_model()
     assert stepper.loss == pytest.approx(LOSS(model(x), y).item(), abs=ATOL)
+
+
+def test_ideal_is_the_schedule_simulated_with_measured_durations(four, batch):
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+    pipe.step(*batch, LOSS)
+    ideal = pipe.ideal()
+    assert ideal.unit == "s" and ideal.makespan > 0
+    # the same work, spread evenly: total compute is the measured total
+    assert sum(ideal.busy_time.values()) == pytest.approx(sum(pipe.timeline.busy_time.values()), rel=1e-9)

@@ -98,8 +98,8 @@ class Pipeline:
                 modules = {s: nn.Sequential(*list(model)[slice(*self.ranges[s])]) for s in my_stages}
             else:
                 modules = ("build", portable(model), {s: self.ranges[s] for s in my_stages})
-            args[rank] = (self.id, self.number, rank, self.schedule.ranks, self.schedule.actions[rank], self.ticks[rank],
-                          modules, self.schedule.stages, self.schedule.microbatches, transport,
+            args[rank] = (self.id, self.number, rank, self.schedule.ranks, self.schedule.actions[rank],
+                          self.ticks[rank], modules, self.schedule.stages, self.schedule.microbatches, transport,
                           portable(optimizer), pipedream_lr)
         self.cluster.run_each(executor.setup, args)
 
@@ -187,6 +187,18 @@ class Pipeline:
             raise DistUsageError("no step has run yet: call step() or run a stepper first")
         spans = {r["rank"]: r["spans"] for r in self.last_results}
         return Timeline.from_spans(spans, name=f"{self.schedule.name} (measured)")
+
+    def ideal(self):
+        """The schedule simulated with the last step's measured durations and message latency: what this step would
+        take with no overheads, stragglers or contention. The gap to `timeline` is what those cost."""
+        from nbdist.schedules.simulate import measured_durations
+
+        durations = measured_durations(self.timeline, self.schedule.chunks)
+        if durations is None:
+            raise DistUsageError("the last step has no complete forward and backward to measure")
+        ideal = self.schedule.simulate(**durations)
+        ideal.unit = "s"
+        return ideal
 
     def stepper(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> "Stepper":
         return Stepper(self, inputs, targets, loss_fn)

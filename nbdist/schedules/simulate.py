@@ -317,3 +317,36 @@ def _play(a: Action, clock: float, inputs_at: float, times: dict[str, float]) ->
         return Span(a, clock, end, wait=end - clock)
     start = max(clock, inputs_at)
     return Span(a, start, start + times.get(a.kind, 0.0))
+
+
+def measured_durations(timeline: Timeline, chunks: int = 1) -> dict[str, float] | None:
+    """simulate() arguments that describe a measured step: mean compute per kind and the message latency.
+
+    forward/backward/weight follow the duration convention (one rank's share: a chunk's time times `chunks`).
+    comm is the median latency of the messages whose receiver was already waiting: from the send's start to the
+    receive's end (one clock on one host). None when the step has no forward or no backward yet.
+    """
+    spans = [s for row in timeline.spans.values() for s in row]
+    mean = {}
+    for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+        busy = [s.busy for s in spans if s.action.kind == kind]
+        if busy:
+            mean[kind] = chunks * sum(busy) / len(busy)
+    if FORWARD not in mean or not (BACKWARD in mean or BACKWARD_INPUT in mean):
+        return None
+    out = {"forward": mean[FORWARD], "comm": _message_latency(spans)}
+    if BACKWARD in mean:
+        out["backward"] = mean[BACKWARD]
+    else:
+        out["backward"], out["weight"] = mean[BACKWARD_INPUT], mean.get(BACKWARD_WEIGHT, 0.0)
+    return out
+
+
+def _message_latency(spans: list[Span]) -> float:
+    sent = {s.action: s.start for s in spans if s.action.kind in (SEND_F, SEND_B)}
+    latencies = sorted(
+        s.end - sent[s.action.matching()]
+        for s in spans
+        if s.action.kind in (RECV_F, RECV_B) and s.wait > 0 and s.action.matching() in sent
+    )
+    return max(0.0, latencies[len(latencies) // 2]) if latencies else 0.0

@@ -12,7 +12,6 @@ copy is refreshed when a step completes.
 from __future__ import annotations
 
 import html
-import statistics
 import time
 
 import ipywidgets as widgets
@@ -20,8 +19,7 @@ import plotly.graph_objects as go
 from IPython import get_ipython
 from IPython.display import display
 
-from nbdist.schedules.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
-from nbdist.schedules.simulate import Timeline
+from nbdist.schedules.simulate import Timeline, measured_durations
 from nbdist.viz.timeline import timeline_figure
 
 DRAW_EVERY = 0.5  # seconds between redraws while steps run back to back (live updates: twice a second)
@@ -116,25 +114,16 @@ class PipelineView:
             return f"measured: {where}nothing has run yet"
         return f"measured: {where}{measured.makespan * 1e3:.1f} ms, bubble {measured.bubble_fraction:.1%}"
 
-    def _durations(self, measured: Timeline) -> dict | None:
-        """Mean measured compute per micro-batch for one rank's share (chunk times add up over v chunks)."""
-        by_kind = {k: [s.busy for row in measured.spans.values() for s in row if s.action.kind == k]
-                   for k in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)}
-        if not by_kind[FORWARD] or not (by_kind[BACKWARD] or by_kind[BACKWARD_INPUT]):
-            return None
-        v = self.pipe.schedule.chunks
-        mean = {k: statistics.fmean(xs) * v for k, xs in by_kind.items() if xs}
-        if BACKWARD in mean:
-            return {"forward": mean[FORWARD], "backward": mean[BACKWARD]}
-        return {"forward": mean[FORWARD], "backward": mean[BACKWARD_INPUT], "weight": mean.get(BACKWARD_WEIGHT, 0)}
-
     def _ideal_basis(self, measured: Timeline) -> str:
-        return "measured mean durations" if self._durations(measured) else "F = 1, B = 2"
+        return "simulated with the measured durations and latency" if self._measured(measured) else "F = 1, B = 2"
+
+    def _measured(self, measured: Timeline) -> dict | None:
+        return measured_durations(measured, self.pipe.schedule.chunks) if measured.spans else None
 
     def _ideal(self, measured: Timeline) -> Timeline:
-        durations = self._durations(measured) or {"forward": 1.0, "backward": 2.0}
-        timeline = self.pipe.schedule.simulate(**durations)
-        timeline.unit = "s" if self._durations(measured) else ""
+        durations = self._measured(measured)
+        timeline = self.pipe.schedule.simulate(**(durations or {"forward": 1.0, "backward": 2.0}))
+        timeline.unit = "s" if durations else ""
         return timeline
 
     # -- display --------------------------------------------------------------------------------------------------
