@@ -323,3 +323,14 @@ def test_empty_timeline_draws_nothing():
     timeline = Timeline.from_spans({0: [], 1: []}, name="measured")
     assert (timeline.makespan, timeline.bubble_fraction) == (0.0, 0.0)
     assert len(timeline.figure().data) == 0
+
+
+def test_per_stage_durations_make_the_slowest_stage_the_pace():
+    """With one stage twice as slow, 1F1B's steady state runs at that stage's pace."""
+    s = build("1f1b", 4, 8)
+    even = s.simulate(forward=1, backward=2)
+    uneven = s.simulate(forward=[1, 2, 1, 1], backward=[2, 4, 2, 2])
+    assert uneven.makespan > even.makespan
+    assert uneven.makespan >= 8 * (2 + 4)  # stage 1 alone needs m (F + B)
+    with pytest.raises(DistUsageError, match="got 3 per-stage durations for 4 stages"):
+        s.simulate(forward=[1, 1, 1])

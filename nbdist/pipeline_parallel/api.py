@@ -193,7 +193,7 @@ class Pipeline:
         take with no overheads, stragglers or contention. The gap to `timeline` is what those cost."""
         from nbdist.schedules.simulate import measured_durations
 
-        durations = measured_durations(self.timeline, self.schedule.chunks)
+        durations = measured_durations(self.timeline, self.schedule.stages, self.schedule.chunks)
         if durations is None:
             raise DistUsageError("the last step has no complete forward and backward to measure")
         ideal = self.schedule.simulate(**durations)

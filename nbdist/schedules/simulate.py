@@ -11,7 +11,7 @@ after its send.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,21 +276,40 @@ def _peak_held(row: list[Span]) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def durations(schedule, forward: float = 1.0, backward: float = 2.0, weight: float | None = None) -> dict[str, float]:
-    """Compute time of each action kind for `schedule`, following the module's duration convention.
+Durations = float | Sequence[float]  # one value for every stage, or one per stage (uneven stages)
+
+
+def durations(schedule, forward: Durations = 1.0, backward: Durations = 2.0,
+              weight: Durations | None = None) -> dict[tuple[int, str], float]:
+    """Compute time of each (stage, action kind) for `schedule`, following the module's duration convention.
 
     weight=None: backward is the whole backward; a split schedule spends half of it in I and half in W.
     weight given: the backward is `backward` + `weight`; a split schedule spends `backward` in I and `weight` in W,
     one that does not split spends both in B. So one call compares every schedule on the same work.
+    Each argument is one number for all stages or a sequence with one per stage (measured, uneven stages).
     """
-    if weight is None:
-        times = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward / 2, BACKWARD_WEIGHT: backward / 2}
-    else:
-        times = {FORWARD: forward, BACKWARD: backward + weight, BACKWARD_INPUT: backward, BACKWARD_WEIGHT: weight}
-    return {kind: t / schedule.chunks for kind, t in times.items()}
+    f, b = _per_stage(schedule, forward), _per_stage(schedule, backward)
+    w = None if weight is None else _per_stage(schedule, weight)
+    times = {}
+    for s in range(schedule.stages):
+        if w is None:
+            kinds = {FORWARD: f[s], BACKWARD: b[s], BACKWARD_INPUT: b[s] / 2, BACKWARD_WEIGHT: b[s] / 2}
+        else:
+            kinds = {FORWARD: f[s], BACKWARD: b[s] + w[s], BACKWARD_INPUT: b[s], BACKWARD_WEIGHT: w[s]}
+        times.update({(s, kind): t / schedule.chunks for kind, t in kinds.items()})
+    return times
 
 
-def simulate(schedule, forward: float = 1.0, backward: float = 2.0, weight: float | None = None,
+def _per_stage(schedule, value) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * schedule.stages
+    values = [float(v) for v in value]
+    if len(values) != schedule.stages:
+        raise DistUsageError(f"got {len(values)} per-stage durations for {schedule.stages} stages")
+    return values
+
+
+def simulate(schedule, forward: Durations = 1.0, backward: Durations = 2.0, weight: Durations | None = None,
              comm: float = 0.0) -> Timeline:
     """Play the schedule on an ideal machine: each rank runs its list in order, every action as soon as possible.
 
@@ -316,29 +335,30 @@ def _play(a: Action, clock: float, inputs_at: float, times: dict[str, float]) ->
         end = max(clock, inputs_at)
         return Span(a, clock, end, wait=end - clock)
     start = max(clock, inputs_at)
-    return Span(a, start, start + times.get(a.kind, 0.0))
+    return Span(a, start, start + times.get((a.stage, a.kind), 0.0))
 
 
-def measured_durations(timeline: Timeline, chunks: int = 1) -> dict[str, float] | None:
-    """simulate() arguments that describe a measured step: mean compute per kind and the message latency.
+def measured_durations(timeline: Timeline, stages: int, chunks: int = 1) -> dict | None:
+    """simulate() arguments that describe a measured step: per-stage mean compute per kind, message latency.
 
-    forward/backward/weight follow the duration convention (one rank's share: a chunk's time times `chunks`).
+    forward/backward/weight are lists with one entry per stage, following the duration convention (a chunk's
+    time times `chunks`), so stages that really differ (the last one also computes the loss) stay different.
     comm is the median latency of the messages whose receiver was already waiting: from the send's start to the
-    receive's end (one clock on one host). None when the step has no forward or no backward yet.
+    receive's end (one clock on one host). None until every stage has a forward and a backward.
     """
     spans = [s for row in timeline.spans.values() for s in row]
-    mean = {}
+    mean: dict[str, list] = {}
     for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-        busy = [s.busy for s in spans if s.action.kind == kind]
-        if busy:
-            mean[kind] = chunks * sum(busy) / len(busy)
+        per_stage = [[s.busy for s in spans if s.action.kind == kind and s.action.stage == st] for st in range(stages)]
+        if all(per_stage):
+            mean[kind] = [chunks * sum(x) / len(x) for x in per_stage]
     if FORWARD not in mean or not (BACKWARD in mean or BACKWARD_INPUT in mean):
         return None
     out = {"forward": mean[FORWARD], "comm": _message_latency(spans)}
     if BACKWARD in mean:
         out["backward"] = mean[BACKWARD]
     else:
-        out["backward"], out["weight"] = mean[BACKWARD_INPUT], mean.get(BACKWARD_WEIGHT, 0.0)
+        out["backward"], out["weight"] = mean[BACKWARD_INPUT], mean.get(BACKWARD_WEIGHT, [0.0] * stages)
     return out
 
 

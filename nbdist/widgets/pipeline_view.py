@@ -118,7 +118,8 @@ class PipelineView:
         return "simulated with the measured durations and latency" if self._measured(measured) else "F = 1, B = 2"
 
     def _measured(self, measured: Timeline) -> dict | None:
-        return measured_durations(measured, self.pipe.schedule.chunks) if measured.spans else None
+        schedule = self.pipe.schedule
+        return measured_durations(measured, schedule.stages, schedule.chunks) if measured.spans else None
 
     def _ideal(self, measured: Timeline) -> Timeline:
         durations = self._measured(measured)
