@@ -12,6 +12,7 @@ copy is refreshed when a step completes.
 from __future__ import annotations
 
 import html
+import json
 import time
 
 import ipywidgets as widgets
@@ -152,11 +153,13 @@ class PipelineView:
 
 
 def _replace(output: widgets.Output, figure: go.Figure) -> None:
-    """Show `figure` in `output` instead of what was there (JupyterLab renders plotly's mimetype)."""
-    with output:
-        output.clear_output(wait=True)
-        display({"application/vnd.plotly.v1+json": figure.to_plotly_json(), "text/plain": figure.layout.title.text},
-                raw=True)
+    """Show `figure` in `output` instead of what was there (JupyterLab renders plotly's mimetype).
+
+    The output's state is set directly rather than through `with output: clear_output(wait=True); display(...)`:
+    that route makes nbclient (headless runs) capture into its mimic of the widget and, here, never finish the cell.
+    """
+    data = {"application/vnd.plotly.v1+json": json.loads(figure.to_json()), "text/plain": str(figure.layout.title.text)}
+    output.outputs = ({"output_type": "display_data", "data": data, "metadata": {}},)
 
 
 def _stats_table(measured: Timeline, ideal: Timeline, tick_state) -> str:
