@@ -1,0 +1,177 @@
+"""Hand-built all-reduce (ring, tree, recursive doubling) on a real 4-engine cluster, against dist.all_reduce.
+
+One 4-engine cluster covers 2, 3 and 4 ranks: the algorithms take a process group, and `trace(world_size=n)` runs
+them on the group of ranks 0..n-1 (3 is the non-power-of-two case: the tree's missing partners and recursive
+doubling's fold-in / fold-out).
+"""
+import math
+
+import pytest
+import torch
+
+import nbdist
+from nbdist.collectives import algorithms, trace
+from nbdist.collectives.algorithms import message_counts
+from nbdist.errors import DistError, DistUsageError
+from nbdist.options import ClusterOptions
+
+NAMES = ["ring", "tree", "recursive-doubling"]
+RANKS = [2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def four():
+    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
+    yield cluster
+    cluster.stop()
+
+
+def expected_steps(name: str, n: int) -> int:
+    if name == "ring":
+        return 2 * (n - 1)
+    if name == "tree":
+        return 2 * math.ceil(math.log2(n))
+    power = 2 ** int(math.log2(n))
+    return int(math.log2(power)) + (0 if power == n else 2)  # fold-in and fold-out beyond the power of two
+
+
+@pytest.mark.parametrize("size", [12, 13, 2])  # divides by 2, 3 and 4; divides by none; fewer elements than ranks
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_equals_library_all_reduce(four, name, n, size):
+    t = trace(name, world_size=n, size=size, cluster=four, seed=size)
+    assert t.matches_library and t.max_diff <= 1e-5
+    assert t.world_size == n and sum(t.chunk_sizes) == size
+    assert len(t.chunk_sizes) == (n if name == "ring" else 1)
+    assert all(h == list(range(n)) for holds in t.steps[-1]["holds"] for h in holds)  # every chunk reduced
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_record_has_the_expected_steps(four, name, n):
+    t = trace(name, world_size=n, size=16, cluster=four)
+    assert len(t.steps) == expected_steps(name, n) == message_counts(name, n, 64).steps
+    assert [s["step"] for s in t.steps] == list(range(1, len(t.steps) + 1))
+    assert all(len(s["holds"]) == n for s in t.steps)
+
+
+def test_ring_moves_one_chunk_to_the_right_per_step(four):
+    n = 4
+    t = trace("ring", world_size=n, size=16, cluster=four)
+    assert [s["phase"] for s in t.steps] == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1)
+    for s in t.steps:
+        assert sorted((src, dst) for src, dst, _ in s["sends"]) == [(r, (r + 1) % n) for r in range(n)]
+    after_reduce_scatter = t.steps[n - 2]["holds"]
+    for r in range(n):  # rank r ends the reduce-scatter with the full sum of chunk r+1, and of no other
+        full = [c for c, h in enumerate(after_reduce_scatter[r]) if h == list(range(n))]
+        assert full == [(r + 1) % n]
+    assert t.bytes_sent == [message_counts("ring", n, 64).bytes] * n  # 2(n-1) chunks of S/n each
+
+
+def test_tree_and_recursive_doubling_send_whole_tensors(four):
+    tree = trace("tree", world_size=4, size=16, cluster=four)
+    assert [s["phase"] for s in tree.steps] == ["reduce", "reduce", "broadcast", "broadcast"]
+    assert tree.steps[0]["sends"] == [(1, 0, 0), (3, 2, 0)] and tree.steps[1]["sends"] == [(2, 0, 0)]
+    assert max(tree.bytes_sent) <= message_counts("tree", 4, 64).bytes
+    doubling = trace("recursive-doubling", world_size=4, size=16, cluster=four)
+    assert doubling.steps[1]["sends"] == [(0, 2, 0), (1, 3, 0), (2, 0, 0), (3, 1, 0)]  # partners: rank XOR 2
+    assert doubling.bytes_sent == [message_counts("recursive-doubling", 4, 64).bytes] * 4
+
+
+def test_recursive_doubling_folds_the_extra_rank_in_and_out(four):
+    t = trace("recursive-doubling", world_size=3, size=5, cluster=four)
+    assert [s["phase"] for s in t.steps] == ["fold-in", "exchange", "fold-out"]
+    assert t.steps[0]["sends"] == [(2, 0, 0)] and t.steps[-1]["sends"] == [(0, 2, 0)]
+    assert t.steps[0]["holds"] == [[[0, 2]], [[1]], [[2]]]
+
+
+def _direct_call(name: str, n: int):
+    """Engine side: the algorithm called as a user would, on a non-contiguous int64 tensor and a group of n."""
+    import torch
+    import torch.distributed as dist
+
+    from nbdist.collectives import algorithms
+
+    group = algorithms._group(n)
+    if dist.get_rank() >= n:
+        return None
+    rank = dist.get_rank(group)
+    x = torch.arange(6).reshape(2, 3).t() * (rank + 1)
+    record = []
+    out = algorithms.ALGORITHMS[name](x, group, record)
+    return out is x and not x.is_contiguous(), x, len(record)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_in_place_on_integer_non_contiguous_tensors(four, name):
+    for n in (1, 3):
+        results = four.run(_direct_call, name, n)[:n]
+        for same_object, x, steps in results:
+            assert same_object
+            assert torch.equal(x, torch.arange(6).reshape(2, 3).t() * (n * (n + 1) // 2))
+            assert steps == (0 if n == 1 else expected_steps(name, n))  # one rank: a no-op without steps
+
+
+def _bool_all_reduce():
+    import torch
+
+    from nbdist.collectives import ring_all_reduce
+
+    ring_all_reduce(torch.ones(3, dtype=torch.bool))
+
+
+def test_bad_input_raises(four):
+    with pytest.raises(DistUsageError, match="unknown all-reduce algorithm 'butterfly'"):
+        trace("butterfly", cluster=four)
+    for world_size in (1, 5, 2.0):
+        with pytest.raises(DistUsageError, match="world_size"):
+            trace("ring", world_size=world_size, cluster=four)
+    with pytest.raises(DistUsageError, match="size"):
+        trace("ring", size=0, cluster=four)
+    with pytest.raises(DistError, match="DistUsageError.*floating or integer"):
+        four.run(_bool_all_reduce)
+    assert trace("ring", cluster=four, size=8).matches_library  # the cluster still works
+
+
+def test_message_counts():
+    ring = message_counts("ring", 4, 4096)
+    assert (ring.steps, ring.message_bytes, ring.bytes) == (6, 1024, 6144)
+    assert message_counts("ring", 3, 40).message_bytes == 16  # 10 floats: chunks of 4, 3, 3
+    assert (message_counts("tree", 3, 64).steps, message_counts("tree", 8, 64).bytes) == (4, 6 * 64)
+    assert [message_counts("recursive-doubling", n, 64).steps for n in (2, 4, 6, 8)] == [1, 2, 4, 3]
+    assert message_counts("ring", 1, 64).steps == 0
+    assert message_counts("tree", 4, 64).seconds(alpha=1e-6, beta=1e-9) == pytest.approx(4e-6 + 256e-9)
+    with pytest.raises(DistUsageError):
+        message_counts("butterfly", 4, 64)
+    with pytest.raises(DistUsageError):
+        message_counts("ring", 4, 6)  # not whole float32 elements
+    with pytest.raises(DistUsageError):
+        message_counts("ring", 0, 64)
+
+
+@pytest.mark.parametrize("name,n", [("ring", 4), ("tree", 3), ("recursive-doubling", 3)])
+def test_figure_has_one_frame_per_step_and_a_slider(four, name, n):
+    t = trace(name, world_size=n, size=10, cluster=four)
+    fig = t.figure()
+    assert len(fig.frames) == len(t.steps)
+    assert [s.label for s in fig.layout.sliders[0].steps] == [str(k) for k in range(1, len(t.steps) + 1)]
+    for frame, step in zip(fig.frames, t.steps):
+        assert f"step {step['step']} of {len(t.steps)}, {step['phase']}" in frame.layout.title.text
+        assert name in frame.layout.title.text
+        arrows = [a for a in frame.layout.annotations if a.showarrow]
+        assert len(arrows) == len(step["sends"])
+        counts = [len(h) for holds in step["holds"] for h in holds]
+        assert list(frame.data[0].marker.color) == counts
+    data = fig.to_plotly_json()  # static JSON: frames and slider travel with the figure
+    assert len(data["frames"]) == len(t.steps) and data["layout"]["sliders"]
+    assert "plotly" in fig.to_html(include_plotlyjs=False, full_html=False)
+
+
+def test_trace_repr_says_what_ran(four):
+    text = repr(trace("recursive-doubling", world_size=2, size=4, cluster=four))
+    assert "recursive-doubling all-reduce on 2 ranks" in text and "1 step," in text and "matches" in text
+
+
+def test_algorithms_module_exports():
+    assert {"ring_all_reduce", "tree_all_reduce", "recursive_doubling_all_reduce", "trace"} <= set(dir(algorithms))
+    assert nbdist.collectives.ring_all_reduce is algorithms.ring_all_reduce
