@@ -1,6 +1,6 @@
 """Collective communication: measure it (nccl-tests conventions), build it by hand, and make CPU training faster.
 
-benchmark.py    every collective timed through torch.distributed and through MPI, with algbw/busbw and checks
+sweep.py        every collective timed through torch.distributed and through MPI, with algbw/busbw and checks
 costmodel.py    the alpha-beta model (latency + bytes / bandwidth) fitted to a sweep; ring vs tree predictions
 algorithms.py   ring, binomial-tree and recursive-doubling all-reduce over point-to-point messages, step by step
 hooks.py        DDP communication hooks: all-reduce through MPI on CPU; compression (fp16, bf16, top-k, PowerSGD)
@@ -10,9 +10,9 @@ Names are imported on first use, so `import nbdist` stays light.
 from importlib import import_module
 
 _EXPORTS = {
-    "benchmark": "benchmark",
-    "BenchmarkResult": "benchmark",
-    "OPS": "benchmark",
+    "benchmark": "sweep",
+    "BenchmarkResult": "sweep",
+    "OPS": "sweep",
     "fit_alpha_beta": "costmodel",
     "AlphaBeta": "costmodel",
     "ring_all_reduce": "algorithms",
