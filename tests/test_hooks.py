@@ -1,0 +1,276 @@
+"""DDP communication hooks on a real 2-engine cluster: MPI all-reduce equals gloo's and the serial model; the
+compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad input is refused."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nbdist.collectives import hooks
+from nbdist.errors import DistError, DistUsageError
+
+ATOL = 1e-6
+LR = 0.1
+IN, HIDDEN, OUT, BATCH = 16, 64, 4, 32  # BATCH: the global batch, split evenly over the ranks
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, IN, generator=g)
+    return x, torch.sin(x[:, :OUT] * 2) + 0.1 * x[:, OUT : 2 * OUT]  # learnable: loss can fall a long way
+
+
+# -- engine-side (imported there from this module; keep imports inside) ----------------------------------------------
+
+
+def _train(hook: str | None, steps: int, **options) -> dict:
+    """`steps` SGD steps of DDP on this rank's shard; hook None = no hook registered (DDP's built-in all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbdist.collectives.hooks import register_hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(build_model())
+    state = register_hook(model, hook, **options) if hook else None
+    x, y = (t.chunk(world)[rank] for t in full_batch())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {
+        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "losses": losses,
+        "bytes": state.bytes_per_step if state else None,
+        "full": state.full_bytes_per_step if state else None,
+    }
+
+
+def _topk_bookkeeping(ratio: float, steps: int) -> dict:
+    """Top-k steps with a spy on what goes in (each bucket's local gradient) and what goes out (the exchange):
+    per parameter, sum of gradients over the steps, sum of what was sent, and the residual left at the end."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbdist.collectives import hooks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(build_model(), bucket_cap_mb=0.01)  # several buckets, regrouped after step 1
+    state = hooks.TopKState(ratio=ratio)
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    grads = {n: torch.zeros(p.numel()) for n, p in model.module.named_parameters()}
+    sent = {n: torch.zeros(p.numel()) for n, p in model.module.named_parameters()}
+    current: dict = {}
+    layouts = []
+    exchange = state.exchange
+
+    def spy_exchange(indices, values):
+        dense = torch.zeros(current["buffer"].numel()).index_put_((indices.long(),), values)
+        for p, piece in zip(current["params"], dense.split([p.numel() for p in current["params"]])):
+            sent[names[id(p)]] += piece
+        return exchange(indices, values)
+
+    def spy_hook(state, bucket):
+        current.update(buffer=bucket.buffer(), params=bucket.parameters())
+        layouts.append((bucket.index(), [names[id(p)] for p in bucket.parameters()]))
+        for p, g in zip(bucket.parameters(), bucket.buffer().split([p.numel() for p in bucket.parameters()])):
+            grads[names[id(p)]] += g
+        return hooks.topk_hook(state, bucket)
+
+    state.exchange = spy_exchange
+    model.register_comm_hook(state, spy_hook)
+    x, y = (t.chunk(world)[rank] for t in full_batch())
+    for _ in range(steps):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+    residual = {names[key]: r for key, r in state.residual_by_parameter().items()}
+    return {"grads": grads, "sent": sent, "residual": residual, "layouts": layouts, "bytes": state.bytes_per_step}
+
+
+def _bad_input() -> list[str]:
+    """The errors register_hook and ddp raise on this rank, as 'Type: message'."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbdist.collectives.hooks import register_hook
+    from nbdist.data_parallel import ddp
+
+    model = DistributedDataParallel(build_model())
+    attempts = [
+        lambda: register_hook(model, "nope"),
+        lambda: register_hook(model, "topk", ratio=0),
+        lambda: register_hook(model, "topk", ratio=1.5),
+        lambda: register_hook(model, "topk", ratio=-0.1),
+        lambda: register_hook(model, "topk", ratio="0.1"),
+        lambda: register_hook(model, "mpi", ratio=0.1),
+        lambda: register_hook(model, "powersgd", rank=0),
+        lambda: register_hook(build_model(), "mpi"),
+        lambda: ddp(build_model(), hook="topk", ratio=2.0),
+    ]
+    out = []
+    for attempt in attempts:
+        try:
+            attempt()
+            out.append("no error")
+        except Exception as e:  # noqa: BLE001 - reported back to the test
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def _auto_and_ddp() -> dict:
+    from nbdist.collectives.hooks import choose
+    from nbdist.data_parallel import ddp
+
+    model = ddp(build_model(), bucket_cap_mb=1)
+    return {
+        "auto": choose(model),
+        "state": model.comm_hook_state.name,
+        "cap": model.bucket_bytes_cap,
+        "view": model.gradient_as_bucket_view,
+    }
+
+
+# -- in this process ---------------------------------------------------------------------------------------------------
+
+
+def serial(steps: int) -> dict:
+    model = build_model()
+    x, y = full_batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def assert_params_close(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=0)
+
+
+def test_mpi_hook_equals_gloo_and_serial(cluster):
+    steps = 3  # crosses DDP's bucket regrouping after the first step
+    mpi = cluster.run(_train, "mpi", steps)
+    default = cluster.run(_train, None, steps)
+    gloo = cluster.run(_train, "gloo", steps)
+    expected = serial(steps)
+    for rank in range(cluster.world_size):
+        assert_params_close(mpi[rank]["params"], default[rank]["params"])
+        assert_params_close(mpi[rank]["params"], expected)
+        assert_params_close(gloo[rank]["params"], default[rank]["params"])
+    full = 4 * sum(p.numel() for p in build_model().parameters())
+    assert mpi[0]["bytes"] == mpi[0]["full"] == [full] * steps
+
+
+def powersgd_bytes(rank: int) -> int:
+    """What torch's PowerSGD sends per step for build_model(): P and Q of each matrix worth compressing
+    ((n + m) r elements against n m, at min_compression_rate 2), every other tensor whole; float32."""
+    total = 0
+    for p in build_model().parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        total += (n + m) * r if p.dim() > 1 and (n + m) * r * 2 < n * m else p.numel()
+    return 4 * total
+
+
+@pytest.mark.parametrize(
+    "hook, options",
+    [("fp16", {}), ("bf16", {}), ("topk", {"ratio": 0.1}), ("powersgd", {"rank": 2})],
+)
+def test_compression_sends_less_and_still_trains(cluster, hook, options):
+    steps = 25
+    results = cluster.run(_train, hook, steps, **options)
+    full = 4 * sum(p.numel() for p in build_model().parameters())
+    for r in results:
+        assert r["full"] == [full] * steps
+        assert r["losses"][-1] < 0.7 * r["losses"][0], r["losses"]
+    sent = results[0]["bytes"]
+    if hook in ("fp16", "bf16"):
+        assert sent == [full // 2] * steps
+    elif hook == "topk":  # values + int32 indices: 2 x ratio of the bytes, rounded up per bucket
+        assert all(2 * 0.1 * full <= s <= 2 * 0.1 * full + 8 * 4 for s in sent), sent
+    else:  # plain all-reduce for start_iter = 2 steps, then the low-rank factors
+        assert sent == [full] * 2 + [powersgd_bytes(options["rank"])] * (steps - 2)
+        assert sent[-1] < full
+
+
+def test_topk_error_feedback_loses_nothing(cluster):
+    steps = 3
+    results = cluster.run(_topk_bookkeeping, 0.2, steps)
+    for r in results:
+        first, last = r["layouts"][0], r["layouts"][-1]
+        assert len(first[1]) == 6 and len(last[1]) < 6  # DDP regrouped its buckets: residuals were carried over
+        for name, grad_sum in r["grads"].items():
+            torch.testing.assert_close(r["sent"][name] + r["residual"][name], grad_sum, atol=1e-5, rtol=0)
+        held_back = sum(int((t != 0).sum()) for t in r["residual"].values())
+        assert 0 < held_back < sum(t.numel() for t in r["residual"].values())  # the identity is not trivial
+        assert len(r["bytes"]) == steps
+
+
+def test_topk_ratio_one_is_a_plain_average(cluster):
+    topk = cluster.run(_train, "topk", 2, ratio=1.0)
+    default = cluster.run(_train, None, 2)
+    assert_params_close(topk[0]["params"], default[0]["params"])
+
+
+def test_bad_input_is_refused(cluster):
+    errors = cluster.run(_bad_input)[0]
+    expected = [
+        "unknown hook 'nope'",
+        "ratio must be in (0, 1], got 0",
+        "ratio must be in (0, 1], got 1.5",
+        "ratio must be in (0, 1], got -0.1",
+        "ratio must be in (0, 1], got '0.1'",
+        "hook 'mpi' takes no options; got ratio",
+        "rank must be a positive integer, got 0",
+        "needs a DistributedDataParallel model, got Sequential",
+        "ratio must be in (0, 1], got 2.0",
+    ]
+    assert len(errors) == len(expected)
+    for got, want in zip(errors, expected):
+        assert got.startswith("DistUsageError: ") and want in got, got
+
+
+def test_ddp_auto_picks_mpi_on_cpu_engines(cluster):
+    for r in cluster.run(_auto_and_ddp):
+        assert r == {"auto": "mpi", "state": "mpi", "cap": 2**20, "view": True}
+
+
+class _FakeBucket:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+
+@pytest.mark.parametrize("hook", [hooks.mpi_allreduce_hook, hooks.topk_hook])
+def test_mpi_hooks_refuse_non_cpu_tensors(hook):
+    with pytest.raises(DistUsageError, match="CPU tensors only.*meta"):
+        hook(hooks.TopKState(), _FakeBucket(torch.zeros(4, device="meta")))
+
+
+def test_topk_compress_keeps_what_it_does_not_send():
+    g = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2])
+    indices, values, residual = hooks.topk_compress(g, 2)
+    assert sorted(indices.tolist()) == [1, 3] and indices.dtype == torch.int32
+    dense = torch.zeros(5).index_put_((indices.long(),), values)
+    assert torch.equal(dense + residual, g)
+    assert math.isclose(residual.abs().max().item(), 0.5)
+
+
+def test_errors_on_the_engines_name_the_rank(cluster):
+    with pytest.raises(DistError, match="rank 0 raised DistUsageError.*unknown hook"):
+        cluster.run(_train, "nope", 1)
