@@ -36,24 +36,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import psutil
 
 
-def _put_mpiexec_on_path() -> None:
-    """Plain ipyparallel runs `mpiexec` from PATH; use the one beside this Python (mpich wheel) if there is one."""
-    here = os.path.dirname(sys.executable)
-    if os.access(os.path.join(here, "mpiexec"), os.X_OK):
-        os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
+from common import ProcessWatch, put_mpiexec_on_path, quantile  # noqa: E402 (benchmarks/ is on sys.path)
 
-
-_put_mpiexec_on_path()
+put_mpiexec_on_path()
 
 import ipyparallel as ipp  # noqa: E402 - imported before any timing, after PATH is set
 
 import nbdist  # noqa: E402
 
 N_ENGINES = 2
-PROCESS_PATTERNS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.engine")
 
 
 # -- results ------------------------------------------------------------------------------------------------------
@@ -110,12 +103,12 @@ class Measure:
 # -- process bookkeeping ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Tracker:
-    """Everything this run started, so that it can all be stopped and checked for leftovers."""
+class Tracker(ProcessWatch):
+    """Everything this run started (nbdist clusters and plain ipyparallel ones), to stop it all and check."""
 
-    plain: list[ipp.Cluster] = field(default_factory=list)
-    cluster_ids: set[str] = field(default_factory=set)
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain: list[ipp.Cluster] = []
 
     def stop_all(self) -> None:
         nbdist.stop()
@@ -125,54 +118,6 @@ class Tracker:
             except Exception as e:  # noqa: BLE001 - keep stopping the others
                 print(f"warning: stopping plain ipyparallel cluster {cluster.cluster_id} failed: {e}", file=sys.stderr)
         self.plain.clear()
-
-    def track(self, cluster: nbdist.Cluster) -> None:
-        """Remember an nbdist cluster's ipyparallel cluster id (private attributes: best effort)."""
-        cluster_id = getattr(getattr(getattr(cluster, "_launched", None), "cluster", None), "cluster_id", None)
-        if cluster_id:
-            self.cluster_ids.add(cluster_id)
-
-    def ours(self, proc: psutil.Process) -> bool:
-        """Started by this run: a descendant of this process, or carrying one of our cluster ids or pid."""
-        me = str(os.getpid())
-        try:
-            env = proc.environ()
-            cmdline = proc.cmdline()
-            parents = {p.pid for p in proc.parents()}
-        except psutil.Error:
-            return False
-        return (
-            os.getpid() in parents
-            or env.get("IPP_CLUSTER_ID") in self.cluster_ids
-            or env.get("NBDIST_KERNEL_PID") == me
-            or any(cid in arg for arg in cmdline for cid in self.cluster_ids)
-        )
-
-    def leftovers(self, grace: float = 3.0) -> list[str]:
-        """Our processes still alive (zombies excluded) after up to `grace` seconds."""
-        deadline = time.monotonic() + grace
-        while True:
-            left = [_describe(p) for p in psutil.process_iter() if _matches(p) and self.ours(p)]
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.2)
-
-
-def _matches(proc: psutil.Process) -> bool:
-    try:
-        if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        cmdline = " ".join(proc.cmdline())
-    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    return any(pattern in cmdline for pattern in PROCESS_PATTERNS)
-
-
-def _describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid} {' '.join(proc.cmdline())[:120]}"
-    except psutil.Error:
-        return str(proc.pid)
 
 
 # -- 1 and 2: start and stop --------------------------------------------------------------------------------------
@@ -299,12 +244,10 @@ def measure_round_trip(tracker: Tracker, calls: int, block: int, warmup: int) ->
         cluster.stop()
     ours, theirs = ([x * 1e3 for x in samples[side]] for side in ("dist", "px"))
     notes = {"calls_per_side": len(ours), "block": block, "block_ratios": ratios,
-             "nbdist_p90": _quantile(ours, 0.9), "anchor_p90": _quantile(theirs, 0.9)}
+             "nbdist_p90": quantile(ours, 0.9), "anchor_p90": quantile(theirs, 0.9)}
     return Measure(f"'{CELL}' cell: %%dist vs %%px", "ms", ours, theirs, "ratio", 1.2, notes)
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100)[int(q * 100) - 1]
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -332,7 +275,7 @@ def spreads(measures: list[Measure]) -> str:
                 lines.append(f"{m.name} {side}: " + ", ".join(f"{x:.3f}" for x in xs)
                              + f" s (spread {max(xs) - min(xs):.3f} s)")
             else:
-                lines.append(f"{m.name} {side}: median {statistics.median(xs):.2f} ms, p90 {_quantile(xs, 0.9):.2f} ms,"
+                lines.append(f"{m.name} {side}: median {statistics.median(xs):.2f} ms, p90 {quantile(xs, 0.9):.2f} ms,"
                              f" min {min(xs):.2f} ms over {len(xs)} calls")
         if "nbdist_own_startup_seconds" in m.notes:
             own = m.notes["nbdist_own_startup_seconds"]

@@ -33,18 +33,12 @@ import os
 import platform
 import statistics
 import sys
-import time
-
-import psutil
 
 
-def _put_mpiexec_on_path() -> None:
-    here = os.path.dirname(sys.executable)
-    if os.access(os.path.join(here, "mpiexec"), os.X_OK):
-        os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
 
+from common import ClusterTracker, put_mpiexec_on_path  # noqa: E402 (benchmarks/ is on sys.path)
 
-_put_mpiexec_on_path()
+put_mpiexec_on_path()
 
 import nbdist  # noqa: E402
 from nbdist.collectives import fit_alpha_beta  # noqa: E402
@@ -56,7 +50,6 @@ RATIO_TARGET = 0.95
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
 WARMUP = 5
 ISSUE_QUOTES = {1024: (1.5e-3, 8e-6), 4 * 2**20: (3.1e-3, 0.64e-3), 16 * 2**20: (11e-3, 3.1e-3)}  # gloo, MPI s
-PROCESS_PATTERNS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.engine")
 
 
 # -- the plain script, run on the engines ------------------------------------------------------------------------
@@ -94,65 +87,7 @@ def nbdist_row(cluster: nbdist.Cluster, size: int, via=("torch",)) -> BenchmarkR
 # -- process bookkeeping ------------------------------------------------------------------------------------------
 
 
-class Tracker:
-    """The clusters this run started, so that they can all be stopped and checked for leftovers; and the other
-    runs' engines seen meanwhile (they share the cores and skew the figures)."""
-
-    def __init__(self):
-        self.clusters: list[nbdist.Cluster] = []
-        self.cluster_ids: set[str] = set()
-        self.foreign: dict[str, str] = {}
-
-    def start(self, n: int) -> nbdist.Cluster:
-        cluster = nbdist.start(n, restart=True)
-        self.clusters.append(cluster)
-        cluster_id = getattr(getattr(getattr(cluster, "_launched", None), "cluster", None), "cluster_id", None)
-        if cluster_id:
-            self.cluster_ids.add(cluster_id)
-        return cluster
-
-    def stop_all(self) -> None:
-        for cluster in self.clusters:
-            try:
-                cluster.stop()
-            except Exception as e:  # noqa: BLE001 - keep stopping the others
-                print(f"warning: stopping a cluster failed: {e}", file=sys.stderr)
-        nbdist.stop()
-
-    def _ours(self, proc: psutil.Process) -> bool:
-        try:
-            env, cmdline = proc.environ(), proc.cmdline()
-            parents = {p.pid for p in proc.parents()}
-        except psutil.Error:
-            return False
-        return (os.getpid() in parents or env.get("IPP_CLUSTER_ID") in self.cluster_ids
-                or env.get("NBDIST_KERNEL_PID") == str(os.getpid())
-                or any(cid in arg for arg in cmdline for cid in self.cluster_ids))
-
-    def _matching(self, ours: bool) -> list[str]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                cmdline = " ".join(proc.cmdline())
-            except psutil.Error:
-                continue
-            if any(p in cmdline for p in PROCESS_PATTERNS) and self._ours(proc) == ours:
-                found.append(f"{proc.pid} {cmdline[:120]}")
-        return found
-
-    def leftovers(self, grace: float = 3.0) -> list[str]:
-        deadline = time.monotonic() + grace
-        while True:
-            left = self._matching(ours=True)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.2)
-
-    def note_foreign(self, when: str) -> None:
-        for line in self._matching(ours=False):
-            self.foreign.setdefault(line, when)
+Tracker = ClusterTracker
 
 
 # -- 1: nbdist against the plain loop -----------------------------------------------------------------------------

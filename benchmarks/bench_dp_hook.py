@@ -36,19 +36,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 
 
-def _put_mpiexec_on_path() -> None:
-    here = os.path.dirname(sys.executable)
-    if os.access(os.path.join(here, "mpiexec"), os.X_OK):
-        os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
+from common import ClusterTracker, put_mpiexec_on_path  # noqa: E402 (benchmarks/ is on sys.path)
 
+put_mpiexec_on_path()
 
-_put_mpiexec_on_path()
-
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import nbdist  # noqa: E402
@@ -57,7 +51,6 @@ SIDES = ("mpi", "gloo", "local", "ddp")  # see the module docstring
 TARGET = 1.2
 LR = 1e-3
 SANITY_ATOL = 1e-5
-PROCESS_PATTERNS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.engine")
 
 
 @dataclass(frozen=True)
@@ -244,58 +237,15 @@ class Measure:
         }
 
 
-class Tracker:
-    """The cluster this run started, so that it can be stopped and checked for leftovers; and other runs'
-    processes seen meanwhile (they share the cores and skew the figures)."""
+class Tracker(ClusterTracker):
+    """The one cluster this run uses."""
 
-    def __init__(self):
-        self.cluster: nbdist.Cluster | None = None
-        self.cluster_id: str | None = None
-        self.foreign: dict[str, str] = {}
-
-    def start(self, n: int) -> nbdist.Cluster:
-        self.cluster = nbdist.start(n, restart=True)
-        self.cluster_id = getattr(getattr(self.cluster._launched, "cluster", None), "cluster_id", None)
-        return self.cluster
+    @property
+    def cluster(self):
+        return self.clusters[-1] if self.clusters else None
 
     def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-        nbdist.stop()
-
-    def _ours(self, proc: psutil.Process) -> bool:
-        try:
-            env, cmdline = proc.environ(), proc.cmdline()
-            parents = {p.pid for p in proc.parents()}
-        except psutil.Error:
-            return False
-        cid = self.cluster_id
-        return os.getpid() in parents or (cid is not None and (env.get("IPP_CLUSTER_ID") == cid or cid in cmdline))
-
-    def _matching(self, ours: bool) -> list[str]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                cmdline = " ".join(proc.cmdline())
-            except psutil.Error:
-                continue
-            if any(p in cmdline for p in PROCESS_PATTERNS) and self._ours(proc) == ours:
-                found.append(f"{proc.pid} {cmdline[:120]}")
-        return found
-
-    def leftovers(self, grace: float = 3.0) -> list[str]:
-        deadline = time.monotonic() + grace
-        while True:
-            left = self._matching(ours=True)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.2)
-
-    def note_foreign(self, when: str) -> None:
-        for line in self._matching(ours=False):
-            self.foreign.setdefault(line, when)
+        self.stop_all()
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------

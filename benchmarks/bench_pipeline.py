@@ -58,16 +58,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
 
 
-def _put_mpiexec_on_path() -> None:
-    here = os.path.dirname(sys.executable)
-    if os.access(os.path.join(here, "mpiexec"), os.X_OK):
-        os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
+from common import ClusterTracker, put_mpiexec_on_path, quantile  # noqa: E402 (benchmarks/ is on sys.path)
 
-
-_put_mpiexec_on_path()
+put_mpiexec_on_path()
 
 import torch
 from torch import nn
@@ -82,7 +77,6 @@ TRANSPORTS = ("mpi", "torch")  # nbdist's; "mpi" is what transport="auto" picks 
 DEFAULT_TRANSPORT = "mpi"
 MICROBATCHES = 8
 LOSS = nn.functional.mse_loss
-PROCESS_PATTERNS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.engine")
 BUBBLE_PP = 5.0  # percentage points
 TICK_MS = 50.0
 P2P_TAGS = (32000, 32001)  # far from the pipeline's own tags
@@ -316,68 +310,7 @@ class Measure:
 # -- process bookkeeping ------------------------------------------------------------------------------------------
 
 
-class Tracker:
-    """The clusters this run started, so that they can all be stopped and checked for leftovers."""
-
-    def __init__(self):
-        self.clusters: list[nbdist.Cluster] = []
-        self.cluster_ids: set[str] = set()
-        self.foreign: dict[str, str] = {}  # other runs' processes seen -> when first seen
-
-    def start(self, n: int) -> nbdist.Cluster:
-        cluster = nbdist.start(n, restart=True)
-        self.clusters.append(cluster)
-        cluster_id = getattr(getattr(getattr(cluster, "_launched", None), "cluster", None), "cluster_id", None)
-        if cluster_id:
-            self.cluster_ids.add(cluster_id)
-        return cluster
-
-    def stop_all(self) -> None:
-        for cluster in self.clusters:
-            try:
-                cluster.stop()
-            except Exception as e:  # noqa: BLE001 - keep stopping the others
-                print(f"warning: stopping a cluster failed: {e}", file=sys.stderr)
-        nbdist.stop()
-
-    def _ours(self, proc: psutil.Process) -> bool:
-        try:
-            env, cmdline = proc.environ(), proc.cmdline()
-            parents = {p.pid for p in proc.parents()}
-        except psutil.Error:
-            return False
-        return (
-            os.getpid() in parents
-            or env.get("IPP_CLUSTER_ID") in self.cluster_ids
-            or env.get("NBDIST_KERNEL_PID") == str(os.getpid())
-            or any(cid in arg for arg in cmdline for cid in self.cluster_ids)
-        )
-
-    def _matching(self, ours: bool) -> list[str]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                cmdline = " ".join(proc.cmdline())
-            except psutil.Error:
-                continue
-            if any(p in cmdline for p in PROCESS_PATTERNS) and self._ours(proc) == ours:
-                found.append(f"{proc.pid} {cmdline[:120]}")
-        return found
-
-    def leftovers(self, grace: float = 3.0) -> list[str]:
-        deadline = time.monotonic() + grace
-        while True:
-            left = self._matching(ours=True)
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.2)
-
-    def note_foreign(self, when: str) -> None:
-        """Remember engines/controllers of other runs alive now: they share the cores and skew the figures."""
-        for line in self._matching(ours=False):
-            self.foreign.setdefault(line, when)
+Tracker = ClusterTracker
 
 
 # -- timelines ----------------------------------------------------------------------------------------------------
@@ -606,7 +539,8 @@ def measure_throughput(bench: Bench, repeats: int, steps: int, warmup: int, log)
         log(
             f"  {size}: repetition {rep + 1}/{repeats}: "
             + ", ".join(
-                f"{s} loop nbdist/torch {loop_samples[(s, 'nbdist', DEFAULT_TRANSPORT)][-1] / loop_samples[(s, 'torch', None)][-1]:.2f}"
+                f"{s} loop nbdist/torch "
+                f"{loop_samples[(s, 'nbdist', DEFAULT_TRANSPORT)][-1] / loop_samples[(s, 'torch', None)][-1]:.2f}"
                 for s in SCHEDULES
             )
         )
@@ -769,7 +703,7 @@ def measure_stepper(bench: Bench, steppers: int, timeout: float, log) -> list[Me
                     notes={
                         "tick_wall_ms_median": 1e3 * statistics.median(walls_all) if walls_all else None,
                         "tick_compute_ms_median": 1e3 * statistics.median(computes) if computes else None,
-                        "tick_overhead_ms_p90": _quantile([1e3 * o for o in overheads], 0.9)
+                        "tick_overhead_ms_p90": quantile([1e3 * o for o in overheads], 0.9)
                         if len(overheads) > 2
                         else None,
                         "ticks": len(overheads),
@@ -808,7 +742,7 @@ def measure_p2p(cluster: nbdist.Cluster, sizes: list[Size], count: int, repeats:
         out[str(size)] = {
             "message_kib": size.message_kib,
             **{
-                t: {"median_us": statistics.median(v), "p10_us": _quantile(v, 0.1), "p90_us": _quantile(v, 0.9)}
+                t: {"median_us": statistics.median(v), "p10_us": quantile(v, 0.1), "p90_us": quantile(v, 0.9)}
                 for t, v in samples.items()
             },
         }
@@ -827,9 +761,9 @@ def waits_summary(timelines: dict) -> dict:
         median_tl = sorted(tls, key=lambda t: t.makespan)[len(tls) // 2]
         out[f"{schedule} [{transport}]"] = {
             "recv_wait_ms_median": statistics.median(waits),
-            "recv_wait_ms_p90": _quantile(waits, 0.9),
+            "recv_wait_ms_p90": quantile(waits, 0.9),
             "delivery_ms_median": statistics.median(delays) if delays else float("nan"),
-            "delivery_ms_p90": _quantile(delays, 0.9),
+            "delivery_ms_p90": quantile(delays, 0.9),
             "delivery_messages": len(delays),
             "makespan_ms_median": statistics.median(makespans),
             "bubble_pct_median": statistics.median(100 * t.bubble_fraction for t in tls),
@@ -838,10 +772,6 @@ def waits_summary(timelines: dict) -> dict:
     return out
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    if len(xs) < 2:
-        return xs[0] if xs else float("nan")
-    return statistics.quantiles(xs, n=100)[max(0, round(q * 100) - 1)]
 
 
 # -- report -------------------------------------------------------------------------------------------------------
