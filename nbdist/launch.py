@@ -154,24 +154,63 @@ def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
 
 
 def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
-    """Kill controller and engines together and wait until they are gone.
+    """Kill controller and engines and wait until they are gone, leaving no process and no file behind.
 
     ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
-    mpiexec, its proxies and the ranks (or the controller and its helper). One SIGKILL per group reaches every
-    process at once: engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and
-    on other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
+    mpiexec, its proxies and the ranks (or the controller and its helper). The ranks go first: mpiexec then sees
+    its job end and exits by itself within milliseconds, tidying its files. Then one SIGKILL per group takes
+    whatever is left. Engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and on
+    other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
     """
     groups = _process_groups(cluster)
     members = processes(cluster)
+    held = _hydra_files(members)
+    ranks = [p for p in members if _is_rank(p)]
+    _kill(ranks)
+    _wait_gone(ranks + [p for p in members if _name(p) == "mpiexec"], timeout=0.5)
     for pgid in groups:
         _signal_group(pgid, signal.SIGKILL)
-    for proc in members:  # members that left the group (a nanny, a daemon) go too
+    _kill(members)  # members that left their group (a nanny, a daemon) go too
+    _wait_gone(members, timeout)
+    for path in held:  # Hydra's topology file, which a killed proxy cannot remove itself
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    _forget(cluster)
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for proc in procs:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    _wait_gone(members, timeout)
-    _forget(cluster)
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        return "nbdist.engine.main" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _hydra_files(procs: list[psutil.Process]) -> list[str]:
+    """Files Hydra (MPICH's mpiexec) keeps open in /tmp for its proxies; they outlive a killed proxy."""
+    files = []
+    for proc in procs:
+        try:
+            files += [f.path for f in proc.open_files() if os.path.basename(f.path).startswith("hydra_hwloc_")]
+        except psutil.Error:
+            pass
+    return files
 
 
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:

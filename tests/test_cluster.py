@@ -1,4 +1,5 @@
 """A real 2-engine cluster (MPI engines, gloo): collectives, status, errors, stuck ranks, stop."""
+import os
 import time
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import nbdist
 from nbdist.errors import DistError, DistUsageError
+from nbdist.launch import _hydra_files
 from kernel_driver import ANSI
 from processes import wait_until_gone
 
@@ -115,8 +117,10 @@ def test_stop_leaves_no_process():
     with nbdist.Cluster(nbdist.options.ClusterOptions(n=2)) as c:
         procs = c.processes()
         assert len(procs) >= 4  # controller, mpiexec, proxy, 2 engines
+        temp_files = _hydra_files(procs)  # MPICH's topology files in /tmp
         started = time.monotonic()
     assert time.monotonic() - started < 1.5
     assert wait_until_gone(procs, timeout=0.5) == []
+    assert [f for f in temp_files if os.path.exists(f)] == []
     with pytest.raises(DistUsageError, match="the cluster is stopped"):
         c.run(int)
