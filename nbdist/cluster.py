@@ -168,8 +168,9 @@ class Cluster:
     def run(self, fn: Callable, *args: Any, ranks=None, timeout: float | None = None, **kwargs: Any) -> list:
         """Call fn(*args, **kwargs) on each rank; return the results in rank order.
 
-        fn may be defined in a notebook cell (it is pickled with cloudpickle). Output printed by fn is shown from
-        rank 0; an exception on any rank raises DistError naming the rank, after freeing the others.
+        fn may be defined in a notebook cell. As with ipyparallel's %px, the global names it uses are looked up on
+        the engine (where a %%dist cell's variables live), so import inside fn what it needs. Output printed by fn
+        is shown from rank 0; an exception on any rank raises DistError naming the rank, after freeing the others.
         """
         chosen = self._parse_ranks(ranks)
         ar = self._view(chosen).apply_async(fn, *args, **kwargs)

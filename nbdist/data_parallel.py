@@ -14,6 +14,7 @@ all-reduce (nccl) stays. The hook's state (bytes sent per step, ...) is kept as 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 from torch import nn
@@ -37,6 +38,9 @@ def ddp(model: nn.Module, hook: str = "auto", **options: Any) -> DistributedData
 
     own = _ddp_parameters()
     ddp_options = {"gradient_as_bucket_view": True, **{k: v for k, v in options.items() if k in own}}
+    if hook == "powersgd" and "bucket_cap_mb" not in ddp_options:  # one bucket: see hooks._check_one_bucket
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        ddp_options["bucket_cap_mb"] = max(25, math.ceil(nbytes / 2**20) + 1)
     wrapped = DistributedDataParallel(model, **ddp_options)
     wrapped.comm_hook_state = register_hook(wrapped, hook, **{k: v for k, v in options.items() if k not in own})
     return wrapped

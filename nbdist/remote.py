@@ -130,6 +130,9 @@ class Waiter:
                     break
         except KeyboardInterrupt:
             self._raise_failures("interrupted", self._free_stuck(), KeyboardInterrupt)
+        if action is None and any(_engine_died(e) for e in self._failed_ranks().values()):
+            # every rank's result came back (as EngineError) before the launcher noticed the job had ended
+            reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
         self._finish_output()
         self._raise_failures(reason, action)
         return [child.result() for _, child in self._children()]
@@ -215,6 +218,10 @@ class Waiter:
         elif interrupted:
             parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
         raise kind("; ".join(parts))
+
+
+def _engine_died(error: BaseException) -> bool:
+    return getattr(error, "ename", type(error).__name__) == "EngineError"
 
 
 def _interrupted(error: BaseException) -> bool:

@@ -274,3 +274,34 @@ def test_topk_compress_keeps_what_it_does_not_send():
 def test_errors_on_the_engines_name_the_rank(cluster):
     with pytest.raises(DistError, match="rank 0 raised DistUsageError.*unknown hook"):
         cluster.run(_train, "nope", 1)
+
+
+def _powersgd_two_buckets(through_ddp: bool):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbdist.collectives.hooks import register_hook
+    from nbdist.data_parallel import ddp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 8))
+    if through_ddp:  # ddp() makes the gradients one bucket
+        model = ddp(net, hook="powersgd", rank=2)
+    else:  # DDP's defaults: a small first bucket, then 25 MB ones
+        model = DistributedDataParallel(net)
+        register_hook(model, "powersgd", rank=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss)
+
+
+def test_powersgd_never_hangs_on_several_buckets(cluster):
+    """torch's PowerSGD hook hangs on gloo with two buckets: ddp() avoids it, register_hook refuses it."""
+    assert all(loss > 0 for loss in cluster.run(_powersgd_two_buckets, True, timeout=60))
+    with pytest.raises(DistError, match="PowerSGD on gloo hangs with more than one gradient bucket"):
+        cluster.run(_powersgd_two_buckets, False, timeout=60)

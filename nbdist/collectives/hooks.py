@@ -326,6 +326,24 @@ def choose(ddp_model: DistributedDataParallel) -> str:
     return "mpi" if _on_cpu(ddp_model) and _mpi_matches(ddp_model.process_group) else "gloo"
 
 
+def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
+    """torch's PowerSGD hook hangs in backward on gloo as soon as DDP has more than one gradient bucket (measured
+    with torch 2.13 and torch's own hook, no nbdist in between); refuse that rather than hang."""
+    if dist.get_backend(ddp_model.process_group) != "gloo":
+        return
+    nbytes = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters() if p.requires_grad)
+    config = getattr(ddp_model, "_bucket_config", None)  # DDP's first bucket may be smaller than the others
+    first = getattr(config, "first_bucket_bytes_cap", None) or ddp_model.bucket_bytes_cap
+    caps = [first, ddp_model.bucket_bytes_cap, *(getattr(ddp_model, "bucket_bytes_cap_list", None) or [])]
+    if nbytes > min(caps):
+        need = math.ceil(nbytes / 2**20) + 1
+        raise DistUsageError(
+            f"PowerSGD on gloo hangs with more than one gradient bucket (a torch issue): build DDP with "
+            f"bucket_cap_mb >= {need} so that all {nbytes / 2**20:.1f} MiB of gradients make one bucket "
+            f"(nbdist.data_parallel.ddp(..., hook='powersgd') does this)"
+        )
+
+
 def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **options: Any) -> HookState:
     """Register communication hook `name` on a DDP model; returns its state (bytes sent per step, residuals...).
 
@@ -360,6 +378,8 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
         raise DistUsageError(f"hook {name!r} takes {takes}; got {', '.join(unknown)}")
     if name in ("mpi", "topk"):
         _check_mpi_usable(ddp_model, name)
+    if name == "powersgd":
+        _check_one_bucket(ddp_model)
     make_state, hook = HOOKS[name]
     state = make_state(ddp_model.process_group, **options)
     ddp_model.register_comm_hook(state, hook)
