@@ -36,7 +36,7 @@ import numpy as np
 
 from nbdist.errors import DistUsageError
 
-ALGORITHMS = ("ring", "tree", "recursive_doubling")
+ALGORITHMS = ("ring", "tree", "recursive-doubling")  # the names algorithms.trace takes
 
 
 def rounds(n: int) -> int:
@@ -48,11 +48,12 @@ def coefficients(algorithm: str, n: int) -> tuple[float, float]:
     """(multiple of α, multiple of S·β) in the cost of an n-rank all-reduce by `algorithm`."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 2:
         raise DistUsageError(f"an all-reduce algorithm needs n >= 2 ranks, got {n!r}")
+    algorithm = str(algorithm).replace("_", "-")  # "recursive_doubling" (the method's name) is accepted too
     if algorithm == "ring":
         return 2 * (n - 1), 2 * (n - 1) / n
     if algorithm == "tree":
         return 2 * rounds(n), 2 * rounds(n)
-    if algorithm == "recursive_doubling":
+    if algorithm == "recursive-doubling":
         return rounds(n), rounds(n)
     raise DistUsageError(f"unknown algorithm {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
 
@@ -80,7 +81,7 @@ class AlphaBeta:
 
     def cost(self, algorithm: str, size, n: int):
         """Seconds an n-rank all-reduce of `size` bytes takes by `algorithm` ("ring", "tree",
-        "recursive_doubling"), if one message costs alpha + beta·S."""
+        "recursive-doubling"), if one message costs alpha + beta·S."""
         a, b = coefficients(algorithm, n)
         return self._evaluate(a, b, size)
 
@@ -94,14 +95,14 @@ class AlphaBeta:
 
     def recursive_doubling(self, size, n: int):
         """log2(n)·(α + S·β): pairwise exchanges of the whole buffer at distance 1, 2, 4, ..."""
-        return self.cost("recursive_doubling", size, n)
+        return self.cost("recursive-doubling", size, n)
 
     def _evaluate(self, a: float, b: float, size):
         values = a * self.alpha + b * self.beta * np.asarray(size, dtype=float)
         return float(values) if values.ndim == 0 else values
 
     def crossover(self, n: int, versus: str = "tree") -> float:
-        """The size (bytes) above which the ring all-reduce beats `versus` ("tree" or "recursive_doubling") on n
+        """The size (bytes) above which the ring all-reduce beats `versus` ("tree" or "recursive-doubling") on n
         ranks: where 2(n-1)α + 2(n-1)/n·Sβ = the other's cost. 0 when the ring is never slower (a tree on 2
         ranks: the same latency, twice the bytes); inf when it never wins (recursive doubling on 2 ranks: one
         exchange, the ring's two steps cost more latency and the same bytes)."""

@@ -24,7 +24,7 @@ VIA_DASH = {"torch": "solid", "mpi": "dash"}
 ALGORITHM_STYLES = {  # algorithm -> (legend label, colour, dash)
     "ring": ("ring: 2(n-1)α + 2(n-1)/n·Sβ", "#4C78A8", "solid"),
     "tree": ("binomial tree: 2·log2(n)·(α + Sβ)", "#F58518", "solid"),
-    "recursive_doubling": ("recursive doubling: log2(n)·(α + Sβ)", "#54A24B", "dot"),
+    "recursive-doubling": ("recursive doubling: log2(n)·(α + Sβ)", "#54A24B", "dot"),
 }
 
 
