@@ -196,7 +196,7 @@ def _caption(chunks: int) -> dict:
         "showarrow": False, "align": "left", "font": {"size": 11, "color": "#555555"},
         "text": f"<span style='color:{ADD_COLOUR}'>orange</span> arrow: the receiver adds the chunk; "
                 f"<span style='color:{COPY_COLOUR}'>blue</span>: it copies it.<br>"
-                f"Squares: {squares}, each numbered by how many ranks' contributions it sums.",
+                f"Squares: {squares},<br>each numbered by how many ranks' contributions it sums.",
     }
 
 
