@@ -190,13 +190,13 @@ def _arrows(nodes: list, step: dict, chunks: int) -> list[dict]:
 
 
 def _caption(chunks: int) -> dict:
-    squares = "each rank's chunks (c0, c1, ... left to right)" if chunks > 1 else "each rank's tensor"
+    squares = "each rank's chunks c0, c1, ..." if chunks > 1 else "each rank's tensor"
     return {
         "x": 0, "y": -0.02, "xref": "paper", "yref": "paper", "xanchor": "left", "yanchor": "top",
         "showarrow": False, "align": "left", "font": {"size": 11, "color": "#555555"},
         "text": f"<span style='color:{ADD_COLOUR}'>orange</span> arrow: the receiver adds the chunk; "
                 f"<span style='color:{COPY_COLOUR}'>blue</span>: it copies it.<br>"
-                f"Squares: {squares},<br>each numbered by how many ranks' contributions it sums.",
+                f"Squares: {squares}, numbered by the ranks summed in it.",
     }
 
 
