@@ -23,7 +23,7 @@ from nbdist.cluster import Cluster, current
 from nbdist.errors import DistUsageError
 from nbdist.pipeline_parallel import executor
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
-from nbdist.pipeline_parallel.stepping import TickState, action_ticks, state_at
+from nbdist.pipeline_parallel.stepping import TickState, action_ticks, state_at, total_ticks
 from nbdist.schedules.generators import build
 from nbdist.schedules.schedule import Schedule
 
@@ -239,7 +239,7 @@ class Stepper:
     def __init__(self, pipe: Pipeline, inputs, targets, loss_fn):
         self.pipe = pipe
         self._batch = (inputs, targets, loss_fn)
-        self.total_ticks = 1 + max(t[-1] for t in pipe.ticks.values() if t)
+        self.total_ticks = total_ticks(pipe.ticks)
         self.view = None
         self._begin()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nbdist.schedules.actions import BACKWARD, BACKWARD_WEIGHT, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F
+from nbdist.schedules.actions import RECV_B, RECV_F, SEND_B, SEND_F
 from nbdist.schedules.simulate import ticks as lockstep
 
 
@@ -55,10 +55,11 @@ def state_at(schedule, ticks: dict[int, list[int]], tick: int) -> TickState:
                 sent.add(a)
             elif a.kind in (RECV_F, RECV_B):
                 received.add(a.matching())
-            elif a.kind == FORWARD:
-                held[rank] += 1
-            elif a.kind in (BACKWARD, BACKWARD_WEIGHT):
-                held[rank] -= 1
+            held[rank] += a.activations_held
     in_flight = [f"{s} -> {s.matching()}" for s in sorted(sent - received)]
-    total = 1 + max((t[-1] for t in ticks.values() if t), default=-1)
-    return TickState(tick, total, last_actions, in_flight, held)
+    return TickState(tick, total_ticks(ticks), last_actions, in_flight, held)
+
+
+def total_ticks(ticks: dict[int, list[int]]) -> int:
+    """How many ticks the whole step takes."""
+    return 1 + max((t[-1] for t in ticks.values() if t), default=-1)

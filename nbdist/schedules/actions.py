@@ -42,6 +42,12 @@ class Action:
     def is_comm(self) -> bool:
         return self.kind in COMMS
 
+    @property
+    def activations_held(self) -> int:
+        """+1 for a forward (it keeps its activation), -1 for the action that frees it: B, or W when the
+        backward is split (W still needs the stage's inputs), 0 otherwise."""
+        return 1 if self.kind == FORWARD else -1 if self.kind in (BACKWARD, BACKWARD_WEIGHT) else 0
+
     def peer_stage(self) -> int:
         """The stage at the other end of a send or receive."""
         if self.kind in (SEND_F, RECV_B):

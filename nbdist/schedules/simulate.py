@@ -261,12 +261,9 @@ def _as_span(item: Any) -> Span:
 
 def _peak_held(row: list[Span]) -> int:
     """Replay one rank's spans in order, counting live (stage, micro-batch) activations."""
-    split = {(s.action.stage, s.action.microbatch) for s in row if s.action.kind == BACKWARD_INPUT}
     held = peak = 0
     for span in row:
-        a = span.action
-        frees = a.kind == BACKWARD or (a.kind == BACKWARD_WEIGHT and (a.stage, a.microbatch) in split)
-        held += 1 if a.kind == FORWARD else -1 if frees else 0
+        held += span.action.activations_held
         peak = max(peak, held)
     return peak
 
