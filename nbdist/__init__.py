@@ -5,15 +5,23 @@
     %%dist               # run a cell on every rank
 
 Everything a magic does, a function here does too: `start`, `current`, `stop`, `Cluster.run`, `Cluster.execute`.
+
+The package imports its parts on first use (PEP 562): `import nbdist` stays light (no ipyparallel, no torch), and
+the small modules that nbdist's own processes run (`python -m nbdist.lifeline`, `python -m nbdist.engine.main`)
+are not already imported by the package when Python runs them as `__main__` (which would warn).
 """
-from nbdist.cluster import Cluster, Status, current, start, stop
-from nbdist.errors import DistError, DistUsageError
+from __future__ import annotations
+
+import importlib
+
+from nbdist.errors import DistError, DistInterrupt, DistUsageError
 
 __version__ = "0.1.0"
 __all__ = [
     "Cluster",
     "Status",
     "DistError",
+    "DistInterrupt",
     "DistUsageError",
     "Pipeline",
     "Stepper",
@@ -23,6 +31,16 @@ __all__ = [
     "stop",
     "load_ipython_extension",
 ]
+
+_LAZY = {
+    "Cluster": "nbdist.cluster",
+    "Status": "nbdist.cluster",
+    "current": "nbdist.cluster",
+    "start": "nbdist.cluster",
+    "stop": "nbdist.cluster",
+    "Pipeline": "nbdist.pipeline_parallel.api",
+    "Stepper": "nbdist.pipeline_parallel.api",
+}
 
 
 def pipeline(model, stages, schedule="1f1b", microbatches=8, chunks=1, balance=None, **options):
@@ -36,11 +54,20 @@ def pipeline(model, stages, schedule="1f1b", microbatches=8, chunks=1, balance=N
 
 
 def __getattr__(name: str):
-    if name in ("Pipeline", "Stepper"):
-        from nbdist.pipeline_parallel import api
-
-        return getattr(api, name)
+    """`nbdist.start`, `from nbdist import Cluster`, `nbdist.schedules`, ...: imported when first asked for."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"nbdist.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"nbdist.{name}":
+                raise
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nbdist import launch
-from nbdist.errors import DistUsageError
+from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.options import ClusterOptions
 from nbdist.remote import SHOW_MODES, OutputRelay, Waiter
 
@@ -80,12 +80,15 @@ class Cluster:
     # -- life cycle -----------------------------------------------------------------------------------------------
 
     def start(self) -> "Cluster":
+        show_errors_in_ipython()  # `import nbdist; nbdist.start()` in IPython shows errors as %load_ext does
         started = time.perf_counter()
-        self._launched = launch.start(self.options)
         try:
+            self._launched = launch.start(self.options)
             infos = self._launched.client[self._launched.engine_ids].apply_sync(_engine_info)
-        except BaseException:
+        except BaseException as e:
             self.stop()
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, DistInterrupt):
+                raise DistInterrupt("interrupted during start-up; nbdist stopped what it had started") from e
             raise
         infos = sorted(zip(infos, self._launched.engine_ids), key=lambda pair: pair[0]["rank"])
         self._info = [info for info, _ in infos]

@@ -11,12 +11,20 @@ waits politely. On one notebook's cluster those waits are most of the start-up t
 - stop by signalling the process groups of mpiexec and the controller at once.
 
 Every process we start carries a lifeline (see lifeline.py) to the notebook kernel.
+
+Each cluster gets its own IPython profile directory (connection files, logs, the controller's engine list), made
+here and removed at stop, so the user's ~/.ipython never collects files of stopped clusters (which JupyterLab's
+ipyparallel extension would then report at its next start). A kernel killed with SIGKILL cannot remove it: the
+lifeline does, and every start also removes directories whose kernel is gone.
 """
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -24,8 +32,12 @@ import ipyparallel as ipp
 import psutil
 
 from nbdist.errors import DistError
-from nbdist.lifeline import WATCH_ENV
+from nbdist.lifeline import OWNER_FILE, WATCH_ENV, owner_of
 from nbdist.options import ClusterOptions
+
+CLUSTER_DIR_ENV = "NBDIST_CLUSTER_DIR"  # where the clusters' profile directories go (default: see profile_root)
+USER_CONFIG_FILES = ("ipcluster_config", "ipcontroller_config", "ipengine_config")
+STALE_UNOWNED_SECONDS = 60.0  # a directory still without its owner file after this long was abandoned mid-start
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
@@ -65,13 +77,93 @@ def _kernel_import_paths() -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
+def profile_root(options: ClusterOptions) -> str:
+    """$NBDIST_CLUSTER_DIR, else a private folder in the temp directory; for multi-host runs under the home
+    directory instead, since engines on other hosts read the controller's connection file from there."""
+    if os.environ.get(CLUSTER_DIR_ENV):
+        return os.path.abspath(os.environ[CLUSTER_DIR_ENV])
+    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    if options.multi_host():
+        return os.path.join(os.path.expanduser("~"), ".cache", "nbdist", "clusters")
+    return os.path.join(tempfile.gettempdir(), f"nbdist-{user}")
+
+
+def new_profile_dir(options: ClusterOptions) -> str:
+    """A fresh profile directory owned by this kernel, holding the user's ipyparallel configuration (if any)."""
+    root = profile_root(options)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if hasattr(os, "getuid") and os.stat(root).st_uid != os.getuid():  # connection files hold the cluster's keys
+        raise DistError(f"{root} belongs to another user: set {CLUSTER_DIR_ENV} to a folder of your own")
+    remove_stale_profile_dirs(root)
+    path = tempfile.mkdtemp(prefix="cluster-", dir=root)
+    me = psutil.Process()
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(f"{me.pid} {me.create_time()}")
+    _copy_user_config(path)
+    return path
+
+
+def _copy_user_config(path: str) -> None:
+    """Settings such as a multi-host run's controller_ip live in the user's profile; the cluster still gets them."""
+    try:
+        from IPython import get_ipython
+        from IPython.paths import get_ipython_dir
+
+        shell = get_ipython()
+        user_profile = shell.profile_dir.location if shell else os.path.join(get_ipython_dir(), "profile_default")
+    except Exception:  # noqa: BLE001 - no IPython profile: nothing to copy
+        return
+    for name in USER_CONFIG_FILES:
+        for found in glob.glob(os.path.join(user_profile, name + ".*")):
+            if found.endswith((".py", ".json")):
+                shutil.copy(found, path)
+
+
+def remove_stale_profile_dirs(root: str) -> None:
+    """Remove the profile directories of kernels that have died (a SIGKILLed kernel cleans nothing up)."""
+    for path in glob.glob(os.path.join(root, "cluster-*")):
+        owner = owner_of(path)
+        if owner is None:
+            try:
+                abandoned = time.time() - os.path.getmtime(path) > STALE_UNOWNED_SECONDS
+            except OSError:
+                continue
+        else:
+            abandoned = not _kernel_alive(*owner)
+        if abandoned:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _kernel_alive(pid: int, started: float) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0  # the same process, not a reused pid
+    except psutil.Error:
+        return False
+
+
+def remove_profile_dir(cluster: ipp.Cluster) -> None:
+    if owner_of(cluster.profile_dir) is not None:  # only a directory nbdist made
+        shutil.rmtree(cluster.profile_dir, ignore_errors=True)
+
+
 def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
+    profile_dir = new_profile_dir(options)
+    try:
+        return _ipp_cluster(options, profile_dir)
+    except BaseException:  # e.g. an error in the user's ipcluster_config.py
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        raise
+
+
+def _ipp_cluster(options: ClusterOptions, profile_dir: str) -> ipp.Cluster:
     return ipp.Cluster(
+        profile_dir=profile_dir,
+        cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
         engines="mpi",
         n=options.n,
         delay=0,
         send_engines_connection_env=False,  # engines read the connection file, so they can start before it exists
-        shutdown_atexit=True,
+        shutdown_atexit=False,  # nbdist's own atexit stops it (fast, files removed); ipyparallel's is slow and noisy
         log_level=40,
         controller_args=[
             "--IPController.use_threads=True",
@@ -243,19 +335,14 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _forget(cluster: ipp.Cluster) -> None:
-    """Let ipyparallel tidy its files (connection, cluster and log files) now that the processes are gone."""
+    """Now that the processes are gone, remove the cluster's profile directory (connection files, logs) with
+    everything in it, and let ipyparallel know nothing is running."""
     for launcher in [cluster.controller] + list(cluster.engines.values()):
         if launcher is not None:
             try:
-                launcher.get_output(remove=True)
+                launcher.get_output(remove=True)  # also stops ipyparallel's thread that follows the output file
             except Exception:  # noqa: BLE001 - tidying must never mask the stop
                 pass
-    security = os.path.join(cluster.profile_dir, "security")
-    for kind in ("client", "engine"):
-        try:
-            os.remove(os.path.join(security, f"ipcontroller-{cluster.cluster_id}-{kind}.json"))
-        except FileNotFoundError:
-            pass
     cluster.controller = None
     cluster.engines = {}
-    cluster.update_cluster_file()
+    remove_profile_dir(cluster)

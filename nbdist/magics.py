@@ -10,7 +10,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 import nbdist
-from nbdist.errors import DistError, DistUsageError
+from nbdist import cluster as cluster_module
+from nbdist.errors import DistUsageError, show_errors_in_ipython
 
 
 def _usage_errors(method):
@@ -40,7 +41,8 @@ class DistMagics(Magics):
     def dist_start(self, line: str) -> None:
         """Start MPI engines with torch.distributed initialised on each."""
         args = parse_argstring(self.dist_start, line)
-        before = nbdist.cluster._current if nbdist.cluster._current and nbdist.cluster._current.running else None
+        running = cluster_module._current
+        before = running if running is not None and running.running else None
         cluster = nbdist.start(
             args.n,
             restart=args.restart,
@@ -89,16 +91,6 @@ class DistMagics(Magics):
         nbdist.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
 
 
-def _one_line(shell, etype, value, tb, tb_offset=None) -> list[str]:
-    """Show nbdist's errors as 'DistError: message': the message already says which rank and what happened.
-
-    IPython's custom-exception hook must display the error itself (run_code ignores the returned traceback).
-    """
-    stb = [f"\x1b[31m{etype.__name__}\x1b[0m: {value}"]
-    shell._showtraceback(etype, value, stb)
-    return stb
-
-
 def register(ipython) -> None:
     ipython.register_magics(DistMagics)
-    ipython.set_custom_exc((DistError, DistUsageError), _one_line)
+    show_errors_in_ipython(ipython)

@@ -1,6 +1,7 @@
 """Drive a real IPython kernel the way JupyterLab does: execute cells, collect outputs, interrupt, kill."""
 from __future__ import annotations
 
+import os
 import queue
 import re
 import time
@@ -25,10 +26,20 @@ class CellResult:
             return ""
         return ANSI.sub("", "\n".join(self.error["traceback"]) + f"\n{self.error['ename']}: {self.error['evalue']}")
 
+    @property
+    def shown(self) -> str:
+        """What a notebook shows under the cell: its streams, then the error exactly as the front end renders it
+        (the traceback lines, which for a one-line error are just 'Name: message')."""
+        traceback = ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
+        return self.stdout + self.stderr + traceback
+
 
 class KernelDriver:
-    def __init__(self, kernel_name: str = "python3"):
-        self.manager, self.client = start_new_kernel(kernel_name=kernel_name, startup_timeout=60)
+    def __init__(self, kernel_name: str = "python3", env: dict[str, str] | None = None):
+        """env: variables to set in the kernel's environment, on top of this process's."""
+        kernel_env = {**os.environ, **env} if env else None
+        extra = {"env": kernel_env} if kernel_env else {}
+        self.manager, self.client = start_new_kernel(kernel_name=kernel_name, startup_timeout=60, **extra)
 
     @property
     def pid(self) -> int:
@@ -63,6 +74,27 @@ class KernelDriver:
         result.seconds = time.monotonic() - started
         result.stdout, result.stderr = ANSI.sub("", result.stdout), ANSI.sub("", result.stderr)
         return result
+
+    def run_all(self, cells: list[str], interrupt_after: float, timeout: float = 60) -> list[str]:
+        """Queue every cell at once, as "Run All" does, interrupt after a while; each cell's reply status
+        ('ok', 'error' or 'aborted': a cell the kernel skipped because an earlier one failed)."""
+        while True:  # replies to earlier cells (execute() reads only the output channel)
+            try:
+                self.client.get_shell_msg(timeout=0.2)
+            except queue.Empty:
+                break
+        ids = [self.client.execute(cell) for cell in cells]
+        time.sleep(interrupt_after)
+        self.manager.interrupt_kernel()
+        status: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(status) < len(ids) and time.monotonic() < deadline:
+            try:
+                reply = self.client.get_shell_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            status[reply["parent_header"].get("msg_id")] = reply["content"]["status"]
+        return [status.get(msg_id, "no reply") for msg_id in ids]
 
     def shutdown(self) -> None:
         self.client.stop_channels()

@@ -1,13 +1,18 @@
 """A real 2-engine cluster (MPI engines, gloo): collectives, status, errors, stuck ranks, stop."""
 import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
+from IPython.paths import get_ipython_dir
 
 import nbdist
+from nbdist import lifeline
 from nbdist.errors import DistError, DistUsageError
-from nbdist.launch import _hydra_files
+from nbdist.launch import _hydra_files, remove_stale_profile_dirs
 from kernel_driver import ANSI
 from processes import wait_until_gone
 
@@ -118,9 +123,84 @@ def test_stop_leaves_no_process():
         procs = c.processes()
         assert len(procs) >= 4  # controller, mpiexec, proxy, 2 engines
         temp_files = _hydra_files(procs)  # MPICH's topology files in /tmp
+        profile = c._launched.cluster.profile_dir  # the cluster's own: connection files, logs
+        assert os.listdir(os.path.join(profile, "security")) and not profile.startswith(get_ipython_dir())
         started = time.monotonic()
     assert time.monotonic() - started < 1.5
     assert wait_until_gone(procs, timeout=0.5) == []
     assert [f for f in temp_files if os.path.exists(f)] == []
+    assert not os.path.exists(profile)
     with pytest.raises(DistUsageError, match="the cluster is stopped"):
         c.run(int)
+
+
+def _owned_dir(root, name: str, owner: str | None):
+    folder = root / name
+    folder.mkdir()
+    if owner is not None:
+        (folder / lifeline.OWNER_FILE).write_text(owner)
+    return folder
+
+
+def test_profile_dirs_of_dead_kernels_are_removed_at_start(tmp_path):
+    """What a SIGKILLed kernel left (if its lifelines could not tidy) goes at the next start; nothing else does."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    me = psutil.Process()
+    dead = _owned_dir(tmp_path, "cluster-dead", f"{ended.pid} {time.time()}")
+    reused_pid = _owned_dir(tmp_path, "cluster-reused", f"{me.pid} {me.create_time() - 1000}")
+    alive = _owned_dir(tmp_path, "cluster-alive", f"{me.pid} {me.create_time()}")
+    starting = _owned_dir(tmp_path, "cluster-starting", None)  # made a moment ago, owner file not yet written
+    remove_stale_profile_dirs(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, starting.name]
+    assert not dead.exists() and not reused_pid.exists()
+
+
+def test_lifeline_removes_only_its_kernels_directory(tmp_path):
+    mine = _owned_dir(tmp_path, "cluster-mine", "4242 1.0")
+    other = _owned_dir(tmp_path, "cluster-other", "4343 1.0")
+    unowned = _owned_dir(tmp_path, "profile_default", None)
+    for folder in (mine, other, unowned):
+        lifeline.remove_if_owned_by(str(folder), 4242)
+    assert not mine.exists() and other.exists() and unowned.exists()
+
+
+def test_lifeline_module_runs_without_warning():
+    """`python -m nbdist.lifeline` (how the controller starts) must not find itself already imported by the
+    package: that prints a RuntimeWarning into JupyterLab's server log at every stop."""
+    run = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "nbdist.lifeline", str(os.getpid()), "platform"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert (run.returncode, run.stderr) == (0, "")
+    assert run.stdout.strip()  # the module it ran (platform) printed this machine's platform
+
+
+def test_import_nbdist_is_light_and_its_names_are_there():
+    code = (
+        "import sys, nbdist\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ipyparallel', 'torch', 'IPython', 'zmq'}))\n"
+        "from nbdist import Cluster, start, current, stop, DistError, DistUsageError, Status\n"
+        "print(Cluster.__module__, start.__module__, Status.__module__, DistError.__module__)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["[]", "nbdist.cluster nbdist.cluster nbdist.cluster nbdist.errors"]
+
+
+def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path, monkeypatch):
+    """e.g. a multi-host run's controller_ip, set in the user's profile, still applies to nbdist's cluster."""
+    import ipyparallel as ipp
+
+    from nbdist.launch import new_profile_dir
+    from nbdist.options import ClusterOptions
+
+    user_profile = tmp_path / "ipython" / "profile_default"
+    user_profile.mkdir(parents=True)
+    (user_profile / "ipcluster_config.py").write_text("c.Cluster.controller_ip = '10.1.2.3'\n")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    monkeypatch.setenv("NBDIST_CLUSTER_DIR", str(tmp_path / "clusters"))
+    profile = new_profile_dir(ClusterOptions(n=1))
+    assert os.path.dirname(profile) == str(tmp_path / "clusters")
+    assert ipp.Cluster(profile_dir=profile, cluster_file="").controller_ip == "10.1.2.3"
+    assert sorted(os.listdir(user_profile)) == ["ipcluster_config.py"]  # the user's profile only read
