@@ -1,4 +1,7 @@
 """Pipeline parallelism on a real 4-engine cluster: every schedule equals the same model run whole in one process."""
+import statistics
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -175,10 +178,54 @@ def test_stepper_with_large_messages_never_hangs(four, name):
     assert stepper.loss == pytest.approx(LOSS(model(x), y).item(), abs=ATOL)
 
 
-def test_ideal_is_the_schedule_simulated_with_measured_durations(four, batch):
+def test_ideal_is_the_schedule_simulated_with_median_durations(four, batch):
     pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
-    pipe.step(*batch, LOSS)
+    for _ in range(3):
+        pipe.step(*batch, LOSS)
     ideal = pipe.ideal()
-    assert ideal.unit == "s" and ideal.makespan > 0
-    # the same work, spread evenly: total compute is the measured total
-    assert sum(ideal.busy_time.values()) == pytest.approx(sum(pipe.timeline.busy_time.values()), rel=1e-9)
+    assert ideal.unit == "s" and ideal.makespan > 0 and len(pipe.recent) == 3
+    for stage in range(4):  # each stage's forward: the median of its measured forwards over the last steps
+        measured = [s.busy for t in pipe.recent for s in t.spans[stage] if str(s.action).startswith(f"{stage}F")]
+        assert len(measured) == 3 * 4
+        ideal_forwards = [s.duration for s in ideal.spans[stage] if s.action.kind == "F"]
+        assert ideal_forwards == pytest.approx([statistics.median(measured)] * 4, rel=1e-9)
+
+
+def test_a_full_speed_step_is_one_call_with_nothing_cut(four, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    pipe.step(*batch, LOSS)
+    assert pipe.timeline.cuts == [] and pipe.timeline.name == "1f1b (measured)"
+
+
+def test_stepping_with_pauses_measures_the_work_not_the_pauses(four, batch):
+    """Three Steps with a pause after each, then Run: the raw clock spans the pauses, the work timeline does not."""
+    pause = 1.0
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    stepper = pipe.stepper(*batch, LOSS)
+    for _ in range(3):
+        stepper.next()
+        time.sleep(pause)
+    stepper.run()
+    raw = [s for row in stepper.spans().values() for s in row]
+    assert max(s[2] for s in raw) - min(s[1] for s in raw) > 3 * pause  # as timed on the ranks
+    work = pipe.timeline
+    assert work.name == "1f1b (measured work, pauses between calls removed)"
+    assert len(work.cuts) == 3 and work.paused > 3 * pause
+    assert work.makespan < 0.2 * pause  # a step of this model is milliseconds of work
+    for rank in (0, 1):
+        assert [str(s.action) for s in work.spans[rank]] == pipe.schedule.actions[rank]
+        starts = [s.start for s in work.spans[rank]]
+        assert starts == sorted(starts)
+    assert stepper.loss == pytest.approx(serial(batch)[0], abs=ATOL)
+
+
+def test_tick_timeline_puts_every_action_at_its_tick(four, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    stepper = pipe.stepper(*batch, LOSS)
+    stepper.next(3)
+    ticks = stepper.tick_timeline()
+    assert ticks.unit == "tick" and ticks.end == 3
+    for rank in (0, 1):
+        done = [(str(a), t) for a, t in zip(pipe.schedule.actions[rank], pipe.ticks[rank]) if t < 3]
+        assert [(str(s.action), s.start) for s in ticks.spans[rank]] == done
+    stepper.run()

@@ -11,7 +11,7 @@ import pytest
 from nbdist import schedules
 from nbdist.errors import DistUsageError
 from nbdist.schedules import NAMES, Action, Schedule, Timeline, build, simulate
-from nbdist.schedules.simulate import check, ready
+from nbdist.schedules.simulate import check, measured_durations, ready
 
 SINGLE_CHUNK_CASES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (p, p + 1, 2 * p, 3 * p + 1)]
 INTERLEAVED_CASES = [(p, m, v) for p in (1, 2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p)]
@@ -238,7 +238,12 @@ def test_timeline_from_measured_spans():
     assert timeline.bubble_fraction == pytest.approx(1 - 2.5 / 5.0)
     assert timeline.peak_activations == {0: 1, 1: 1}
     assert timeline.wait_time == pytest.approx({0: 1.0, 1: 0.5})
-    assert len(timeline.figure().data) == 3  # forward, backward, waits
+    figure = timeline.figure()
+    assert [trace.name for trace in figure.data] == ["forward F", "backward B", "waiting for a message", "idle"]
+    assert "makespan 2500.0 ms" in figure.layout.title.text and figure.layout.xaxis.title.text == "time (ms)"
+    idle = next(trace for trace in figure.data if trace.name == "idle")
+    assert list(idle.hovertext) == ["rank 1 · idle 1000.0 ms: waiting for the other ranks to finish<br>"
+                                    "starts at 1500.0 ms"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,12 +307,14 @@ def test_figure_has_one_bar_per_compute_and_per_wait():
     timeline = build("zb-h1", 4, 8).simulate(comm=0.25)
     figure = timeline.figure(highlight_time=3.0)
     bars = {trace.name: len(trace.x) for trace in figure.data}
-    assert {"forward F", "input grad I", "weight grad W", "waiting for a message"} == set(bars)
+    assert {"forward F", "input grad I", "weight grad W", "waiting for a message"} <= set(bars)
     assert bars["forward F"] == bars["input grad I"] == bars["weight grad W"] == 4 * 8
     waits = sum(1 for row in timeline.spans.values() for s in row if s.wait > 0)
     assert bars["waiting for a message"] == waits
+    finished_early = sum(1 for row in timeline.spans.values() if row[-1].end < timeline.end)
+    assert bars.get("idle", 0) == finished_early  # in a simulation a rank idles only in receives and at the end
     assert all(trace.orientation == "h" for trace in figure.data)
-    assert figure.layout.yaxis.autorange == "reversed" and figure.layout.yaxis.categoryarray[0] == "rank 0"
+    assert figure.layout.yaxis.range == (3.5, -0.5) and figure.layout.yaxis.categoryarray[0] == "rank 0"
     assert len(figure.layout.shapes) == 1  # the highlight line
 
 
@@ -319,10 +326,82 @@ def test_figure_shows_microbatch_numbers_and_starts():
     assert "bubble" in figure.layout.title.text
 
 
-def test_empty_timeline_draws_nothing():
+def test_titles_give_units():
+    """(m + p - 1)(F + B) = 5 x 3 = 15 for 1F1B on 2 ranks with 4 micro-batches."""
+    figure = build("1f1b", 2, 4).simulate(forward=1, backward=2).figure()
+    assert "makespan 15 units" in figure.layout.title.text
+    assert figure.layout.xaxis.title.text == "time (simulated units)"
+
+
+def test_hover_says_what_each_bar_is_and_what_an_idle_rank_waits_for():
+    """By hand: rank 1 gets micro-batch 0 at 1 + 0.5, runs F0, F1 and B0 by 5.5; rank 0, idle since 2, has that
+    gradient at 6."""
+    timeline = build("gpipe", 2, 2).simulate(forward=1.0, backward=2.0, comm=0.5)
+    hovers = {trace.name: list(trace.hovertext) for trace in timeline.figure().data}
+    assert hovers["forward F"][0] == "rank 0 · forward of micro-batch 0 on stage 0<br>1 unit, starts at 0 units (0F0)"
+    assert hovers["waiting for a message"][0] == (
+        "rank 0 · idle 4 units: waiting for the gradient of micro-batch 0 from rank 1 (1SEND_B0)<br>starts at 2 units")
+    rank1 = [h for h in hovers["waiting for a message"] if h.startswith("rank 1")]
+    assert rank1[0].startswith("rank 1 · idle 1.5 units: waiting for the activation of micro-batch 0 from rank 0 "
+                               "(0SEND_F0)")
+
+
+def test_cuts_are_marked_and_said():
+    spans = {0: [("0F0", 0.0, 1.0), ("0F1", 1.0, 2.0)], 1: [("1F0", 0.5, 0.8), ("1F1", 1.2, 1.5)]}
+    timeline = Timeline.from_spans(spans, cuts=[(1.0, 6.9)])
+    figure = timeline.figure()
+    assert timeline.paused == pytest.approx(6.9)
+    assert figure.layout.title.subtitle.text == "pauses between clicks removed: 6.9 s (dotted lines)"
+    assert [shape.x0 for shape in figure.layout.shapes] == [1000.0]  # in ms, as the axis
+    idle = next(trace for trace in figure.data if trace.name == "idle")
+    reasons = {base: hover.split(": ", 1)[1].split("<br>")[0] for base, hover in zip(idle.base, idle.hovertext)}
+    assert reasons == {0.0: "before its next action, 1F0 (forward of micro-batch 0 on stage 1)",
+                       800.0: "waiting for the other ranks to end the call (stepping stops every rank at a tick)",
+                       1500.0: "waiting for the other ranks to finish"}
+
+
+def test_empty_timeline_draws_no_bars_but_names_every_rank():
     timeline = Timeline.from_spans({0: [], 1: []}, name="measured")
     assert (timeline.makespan, timeline.bubble_fraction) == (0.0, 0.0)
-    assert len(timeline.figure().data) == 0
+    figure = timeline.figure()
+    assert len(figure.data) == 0
+    yaxis = figure.layout.yaxis
+    assert yaxis.type == "category" and list(yaxis.categoryarray) == ["rank 0", "rank 1"]
+    assert yaxis.range == (1.5, -0.5) and yaxis.autorange is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measured durations for the ideal: medians, so one cold action does not stretch it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _with_one_action_slower(timeline: Timeline, action: str, factor: float) -> Timeline:
+    spans = {
+        rank: [(s.action, s.start, s.start + (s.end - s.start) * (factor if str(s.action) == action else 1), s.wait)
+               for s in row]
+        for rank, row in timeline.spans.items()
+    }
+    return Timeline.from_spans(spans)
+
+
+def test_one_cold_action_does_not_change_the_ideal():
+    schedule = build("1f1b", 2, 4)
+    measured = schedule.simulate(forward=[1.0, 1.3], backward=[2.0, 2.4], comm=0.1)
+    cold = _with_one_action_slower(measured, "0B0", 100)
+    assert max(s.busy for s in cold.spans[0]) == pytest.approx(200.0)
+    warm, with_cold = measured_durations(measured, 2), measured_durations(cold, 2)
+    assert with_cold["forward"] == pytest.approx(warm["forward"]) == [1.0, 1.3]
+    assert with_cold["backward"] == pytest.approx(warm["backward"]) == [2.0, 2.4]
+    assert schedule.simulate(**with_cold).makespan == pytest.approx(schedule.simulate(**warm).makespan, rel=1e-6)
+
+
+def test_durations_are_medians_over_several_steps():
+    """With 2 micro-batches one step's median is halfway to its outlier; three steps outvote it."""
+    schedule = build("gpipe", 2, 2)
+    warm = schedule.simulate(forward=1.0, backward=2.0)
+    cold = _with_one_action_slower(warm, "1F0", 100)
+    assert measured_durations(cold, 2)["forward"][1] == pytest.approx((100 + 1) / 2)
+    assert measured_durations([cold, warm, warm], 2)["forward"] == pytest.approx([1.0, 1.0])
 
 
 def test_per_stage_durations_make_the_slowest_stage_the_pace():

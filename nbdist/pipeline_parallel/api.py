@@ -5,6 +5,7 @@
     pipe.timeline.figure()                      # measured, per rank, per micro-batch
     stepper = pipe.stepper(inputs, targets, loss_fn)
     stepper.next(); stepper.state()             # tick by tick
+    stepper.timeline; stepper.tick_timeline()   # the work so far (pauses between calls removed); on the tick axis
 
 `stages` is the number of pipeline ranks p (ranks 0..p-1 of the cluster); with `chunks` v each rank holds v model
 pieces, so the model is cut into p*v stages. The notebook kernel only cuts the model and infers message shapes
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import deque
 from typing import Callable
 
 import torch
@@ -23,12 +25,21 @@ from nbdist.cluster import Cluster, current
 from nbdist.errors import DistUsageError
 from nbdist.pipeline_parallel import executor
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
-from nbdist.pipeline_parallel.stepping import TickState, action_ticks, state_at, total_ticks
+from nbdist.pipeline_parallel.stepping import (
+    TickState,
+    action_ticks,
+    state_at,
+    tick_timeline,
+    total_ticks,
+    work_timeline,
+)
 from nbdist.schedules.generators import build
 from nbdist.schedules.schedule import Schedule
+from nbdist.schedules.simulate import Timeline, measured_durations
 
 _ids = itertools.count()
 LIVE_PUBLISH_SECONDS = 0.25  # how often ranks publish their spans while a live view watches (>= 2 updates/s)
+RECENT_STEPS = 5  # steps whose durations the ideal takes medians over (a cold first step is outvoted)
 
 
 def pipeline(
@@ -84,6 +95,7 @@ class Pipeline:
         self.ranks = list(range(stages))
         self._shapes: dict = {}
         self.last_results: list[dict] = []
+        self.recent: deque[Timeline] = deque(maxlen=RECENT_STEPS)  # measured (work) timelines of the last steps
         self.loss: float | None = None
         self.view = None  # a PipelineView, once widget() was called: steps then update it live
         self._setup(model, optimizer, lr if self.schedule.name == "pipedream" else None, transport)
@@ -139,17 +151,26 @@ class Pipeline:
             for r in self.ranks
         }
 
-    def _live(self, tick_state_of=None):
-        """(publish interval, progress callback) when a view is attached, else (None, None)."""
+    def _live(self, reports_of=None, tick_state_of=None):
+        """(publish interval, progress callback) when a view is attached, else (None, None).
+
+        The ranks publish their spans so far; `reports_of(published)` merges them with what earlier calls reported
+        (a Stepper's), so the view draws the whole step's work timeline as it grows."""
         if self.view is None:
             return None, None
 
         def progress(ar) -> None:
-            spans = {d["rank"]: d["spans"] for d in ar.data if isinstance(d, dict) and "spans" in d}
-            if spans:
-                self.view.refresh(spans, final=False, tick_state=tick_state_of() if tick_state_of else None)
+            published = {d["rank"]: d for d in ar.data if isinstance(d, dict) and "spans" in d}
+            if published:
+                reports = reports_of(published) if reports_of else published
+                self.view.refresh(self._work_timeline(reports, stepped=reports_of is not None), final=False,
+                                  tick_state=tick_state_of() if tick_state_of else None)
 
         return LIVE_PUBLISH_SECONDS, progress
+
+    def _work_timeline(self, reports: dict, stepped: bool) -> Timeline:
+        kind = "measured work, pauses between calls removed" if stepped else "measured"
+        return work_timeline(reports, name=f"{self.schedule.name} ({kind})")
 
     # -- running ------------------------------------------------------------------------------------------------
 
@@ -159,14 +180,14 @@ class Pipeline:
         publish_every, progress = self._live()
         args = self._step_args(inputs, targets, loss_fn, publish_every)
         results = self.cluster.run_each(executor.step, args, timeout=timeout, progress=progress)
-        return self._record(results)
+        return self._record(results, self._work_timeline({r["rank"]: r for r in results}, stepped=False))
 
-    def _record(self, results: list[dict], tick_state=None) -> float:
+    def _record(self, results: list[dict], timeline: Timeline, tick_state=None) -> float:
         self.last_results = results
+        self.recent.append(timeline)
         self.loss = next(r["loss"] for r in results if r["loss"] is not None)
         if self.view is not None:
-            self.view.refresh({r["rank"]: r["spans"] for r in results}, final=True, tick_state=tick_state,
-                              throttle=tick_state is None)
+            self.view.refresh(timeline, final=True, tick_state=tick_state, throttle=tick_state is None)
         return self.loss
 
     def widget(self):
@@ -174,31 +195,42 @@ class Pipeline:
         from nbdist.widgets.pipeline_view import PipelineView
 
         self.view = PipelineView(self)
-        if self.last_results:
-            self.view.refresh({r["rank"]: r["spans"] for r in self.last_results})
+        if self.recent:
+            self.view.refresh(self.recent[-1])
         return self.view
 
     @property
-    def timeline(self):
-        """The measured timeline of the last step (seconds), with the same fields as a simulated one."""
-        from nbdist.schedules.simulate import Timeline
+    def timeline(self) -> Timeline:
+        """The measured timeline of the last step (seconds), with the same fields as a simulated one.
 
-        if not self.last_results:
+        After a stepped step it is the work timeline: the pauses between the Stepper's calls are taken out (its
+        name says so, and `.cuts` says where and how long)."""
+        if not self.recent:
             raise DistUsageError("no step has run yet: call step() or run a stepper first")
-        spans = {r["rank"]: r["spans"] for r in self.last_results}
-        return Timeline.from_spans(spans, name=f"{self.schedule.name} (measured)")
+        return self.recent[-1]
 
-    def ideal(self):
-        """The schedule simulated with the last step's measured durations and message latency: what this step would
-        take with no overheads, stragglers or contention. The gap to `timeline` is what those cost."""
-        from nbdist.schedules.simulate import measured_durations
+    def ideal(self, current: Timeline | None = None) -> Timeline:
+        """The schedule simulated with measured durations and message latency: what a step would take with no
+        overheads, stragglers or contention. The gap to `timeline` is what those cost.
 
-        durations = measured_durations(self.timeline, self.schedule.stages, self.schedule.chunks)
+        Durations are medians per stage and kind over the micro-batches of the last few steps (`RECENT_STEPS`,
+        see schedules.simulate.measured_durations), so one cold action does not stretch the ideal. `current`: a
+        step in progress (a Stepper's), counted with the steps before it."""
+        durations = measured_durations(self._duration_sources(current), self.schedule.stages, self.schedule.chunks)
         if durations is None:
-            raise DistUsageError("the last step has no complete forward and backward to measure")
+            raise DistUsageError("no step has a complete forward and backward to measure yet")
         ideal = self.schedule.simulate(**durations)
         ideal.unit = "s"
+        ideal.name = f"{self.schedule.name} (ideal)"
         return ideal
+
+    def _duration_sources(self, current: Timeline | None) -> list[Timeline]:
+        """The timelines the ideal's medians are taken over: the recent steps, and a step in progress."""
+        recent = list(self.recent)
+        if current is not None and current is not (recent[-1] if recent else None) and any(current.spans.values()):
+            recent = recent[1:] if len(recent) == RECENT_STEPS else recent
+            recent.append(current)
+        return recent
 
     def stepper(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> "Stepper":
         return Stepper(self, inputs, targets, loss_fn)
@@ -234,7 +266,10 @@ class Pipeline:
 
 
 class Stepper:
-    """Runs one step of a pipeline tick by tick on the real ranks; `.state()` says where everything is."""
+    """Runs one step of a pipeline tick by tick on the real ranks; `.state()` says where everything is.
+
+    `.timeline` is the work done so far in seconds, with the pauses between calls (a person reading between two
+    clicks) taken out; `.tick_timeline()` puts every action at its tick instead."""
 
     def __init__(self, pipe: Pipeline, inputs, targets, loss_fn):
         self.pipe = pipe
@@ -258,23 +293,24 @@ class Stepper:
         if self.done:
             raise DistUsageError("the step is complete: make a new stepper for the next step (or reset())")
         target = min(self.tick + k, self.total_ticks)
-        pending = [r for r in self.pipe.ranks if not self._reports.get(r, {}).get("done")]
         publish_every, progress = self._live(target)
-        args = {r: (self.pipe.id, target, publish_every) for r in pending}
+        # every rank, also one whose list is done: each call starts with a barrier of the pipeline's ranks
+        args = {r: (self.pipe.id, target, publish_every) for r in self.pipe.ranks}
         for report in self.pipe.cluster.run_each(executor.advance, args, progress=progress):
             self._reports[report["rank"]] = report
         self.tick = target
         if self.done:
-            self.loss = self.pipe._record([self._reports[r] for r in sorted(self._reports)], self.state())
+            reports = [self._reports[r] for r in sorted(self._reports)]
+            self.loss = self.pipe._record(reports, self.timeline, self.state())
         elif self.view is not None:
-            self.view.refresh(self.spans(), final=False, tick_state=self.state())
+            self.view.refresh(self.timeline, final=True, tick_state=self.state())
         return self.state()
 
     def _live(self, target: int):
         """Live updates only for runs of more than a few ticks (a single tick is drawn when it returns)."""
         if self.view is None or target - self.tick <= 1:
             return None, None
-        return self.pipe._live(self.state)
+        return self.pipe._live(lambda published: {**self._reports, **published}, self.state)
 
     def run(self) -> float:
         """Run to the end of the step; returns the loss."""
@@ -288,21 +324,31 @@ class Stepper:
             self.next(self.total_ticks - self.tick)
         self._begin()
         if self.view is not None:
-            self.view.refresh({}, final=False, tick_state=self.state())
+            self.view.refresh(self.timeline, final=True, tick_state=self.state())
 
     def state(self) -> TickState:
         return state_at(self.pipe.schedule, self.pipe.ticks, self.tick)
 
     def spans(self) -> dict:
-        """rank -> spans measured so far in this step."""
+        """rank -> spans measured so far in this step, as the ranks timed them (pauses between calls included)."""
         return {rank: report["spans"] for rank, report in self._reports.items()}
+
+    @property
+    def timeline(self) -> Timeline:
+        """The work measured so far in this step (seconds), the pauses between calls taken out (see `.cuts`)."""
+        reports = self._reports or {r: {} for r in self.pipe.ranks}
+        return self.pipe._work_timeline(reports, stepped=True)
+
+    def tick_timeline(self, upto: int | None = None) -> Timeline:
+        """Every action of the step at its tick, up to the current tick (`upto=None`), or to `upto`."""
+        return tick_timeline(self.pipe.schedule, self.pipe.ticks, self.tick if upto is None else upto)
 
     def widget(self):
         """Step / Run / Reset buttons over the live view; the measured Gantt grows tick by tick."""
         from nbdist.widgets.pipeline_view import PipelineView
 
         self.view = self.pipe.view = PipelineView(self.pipe, stepper=self)
-        self.view.refresh(self.spans(), final=True, tick_state=self.state())
+        self.view.refresh(self.timeline, final=True, tick_state=self.state())
         return self.view
 
 
@@ -311,7 +357,12 @@ def portable(fn: Callable | None) -> bytes | None:
     builder or loss written in a notebook cell runs on the engines even if they never imported torch."""
     import cloudpickle
 
-    return None if fn is None else cloudpickle.dumps(fn)
+    from nbdist.remote import remember_source
+
+    if fn is None:
+        return None
+    remember_source(fn)  # a traceback through it on a rank then shows its source, not "<dynamic-code>"
+    return cloudpickle.dumps(fn)
 
 
 def _meta_model(model) -> nn.Sequential:

@@ -8,7 +8,9 @@ compute. Every action is timed: start, end, and how long it waited for a message
 
 The same walk can stop at a tick boundary (`advance(until_tick)`) and resume later: that is how a Stepper runs
 a schedule tick by tick. Ticks come from the lockstep order in which every dependency is met (see stepping.py),
-so stopping there never leaves a rank waiting for a message that was not sent.
+so stopping there never leaves a rank waiting for a message that was not sent. Every call starts with a barrier
+of the pipeline's ranks and records when it left it, and every span records its call: the notebook takes the
+pauses between calls out of the timeline (stepping.work_timeline).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from nbdist.schedules.actions import (
     Action,
 )
 
+WAKE_SECONDS = 0.005  # a stepping call first keeps its core busy this long: see _wake
 RECEIVE_LOOKAHEAD = 4  # receives posted ahead of need: overlap without holding every buffer at once
 TAG_EPOCHS = 64  # steps before message tags repeat
 
@@ -43,6 +46,7 @@ class Span:
     start: float
     end: float
     wait: float = 0.0  # seconds spent waiting for a message
+    call: int = 0  # which advance() call of the step ran it
 
 
 @dataclass
@@ -60,6 +64,8 @@ class StepState:
     losses: list = field(default_factory=list)
     spans: list = field(default_factory=list)
     position: int = 0
+    calls: list = field(default_factory=list)  # when each advance() call of this step left its barrier
+    report: dict | None = None  # the finished step's report (kept: a finished rank is still called while stepping)
 
 
 class StageExecutor:
@@ -127,7 +133,7 @@ class StageExecutor:
             ran += 1
             if publish_every is not None and state.spans[-1].end - last_publish > publish_every:
                 last_publish = state.spans[-1].end
-                _publish(self.rank, state.spans)
+                _publish(self.rank, state)
         return ran
 
     def pause(self) -> None:
@@ -159,7 +165,7 @@ class StageExecutor:
         if self.optimizer is not None and self.pipedream_lr is None:
             self.optimizer.step()
         loss = float(sum(state.losses) / self.microbatches) if state.losses else None
-        return {"rank": self.rank, "loss": loss, "spans": _as_tuples(state.spans)}
+        return {"rank": self.rank, "loss": loss, "spans": _as_tuples(state.spans), "calls": list(state.calls)}
 
     @property
     def done(self) -> bool:
@@ -180,7 +186,8 @@ class StageExecutor:
             RECV_B: self._receive,
         }[action.kind](action)
         # perf_counter is one clock for every process of a host: the notebook lines the ranks up by it
-        self.state.spans.append(Span(str(action), started, time.perf_counter(), wait or 0.0))
+        call = len(self.state.calls) - 1
+        self.state.spans.append(Span(str(action), started, time.perf_counter(), wait or 0.0, call))
 
     def _forward(self, a: Action) -> None:
         state, key = self.state, (a.stage, a.microbatch)
@@ -368,6 +375,7 @@ def setup(pipeline_id: str, number: int, rank: int, world: int, program: list[st
         built = {s: nn.Sequential(*layers[a:b]) for s, (a, b) in ranges.items()}
     else:
         built = modules
+    _warm_up()
     executor = StageExecutor(rank, [Action.parse(a) for a in program], ticks, built, stages, microbatches, {},
                              boot().device, transport, optimizer, pipedream_lr)
     executor.world_ranks = world
@@ -375,6 +383,15 @@ def setup(pipeline_id: str, number: int, rank: int, world: int, program: list[st
     executor.group = _pipeline_communicator(world)
     _PIPELINES[pipeline_id] = executor
     return executor.device.type
+
+
+def _warm_up() -> None:
+    """The first backward given an output gradient makes torch import sympy (0.5-1 s, once per process): pay
+    that here, not inside the first measured backward, where it would look like a 100x slower stage. A tiny graph
+    of our own: the user's modules (and their buffers or random state) are not touched."""
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    torch.autograd.backward(y, torch.ones_like(y))
 
 
 def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
@@ -386,17 +403,43 @@ def begin(pipeline_id: str, shapes: dict, inputs, targets, loss_fn) -> None:
 def advance(pipeline_id: str, until_tick: int | None, publish_every: float | None = None) -> dict:
     """Run to the tick boundary. Reports the spans so far, and when the rank's list is done, finishes the step.
 
-    Stepping (until_tick given), the other ranks may post the receives of our last sends only at a later tick,
-    so we do not wait for those sends here: `pause` keeps them moving in the background.
+    Every call, on every pipeline rank (also one whose list is done), starts with a barrier of the pipeline's
+    ranks: the notebook's requests reach the ranks one after another, and without the barrier that skew would be
+    counted as bubble. When each rank left it is reported ("calls"), so the notebook can take the pauses between
+    calls out of the timeline. (The barrier costs tens of microseconds on one host.) Stepping (until_tick given),
+    the other ranks may post the receives of our last sends only at a later tick, so we do not wait for those
+    sends here: `pause` keeps them moving.
     """
     executor = _executor(pipeline_id)
-    executor.advance(until_tick, publish_every)
+    state = executor.state
+    executor._stop_draining()
+    if until_tick is not None:
+        _wake(WAKE_SECONDS)
+    executor.group.Barrier()
+    state.calls.append(time.perf_counter())
     stepping = until_tick is not None
+    if state.report is None:
+        executor.advance(until_tick, publish_every)
     if stepping:
         executor.pause()
     if executor.done:
-        return {**executor.finish(wait_for_sends=not stepping), "done": True}
-    return {"rank": executor.rank, "loss": None, "spans": _as_tuples(executor.state.spans), "done": False}
+        if state.report is None:
+            state.report = {**executor.finish(wait_for_sends=not stepping), "done": True}
+        return {**state.report, "calls": list(state.calls)}
+    return {"rank": executor.rank, "loss": None, "spans": _as_tuples(state.spans), "calls": list(state.calls),
+            "done": False}
+
+
+def _wake(seconds: float) -> None:
+    """Keep this core busy for `seconds` before a stepping call's barrier.
+
+    Between two clicks a rank sleeps for seconds; the first actions after such a pause ran 2-5x slower than the
+    same actions a millisecond later (the core and the process wake up), which a person stepping through the
+    schedule would read as bubble. Measured on 2 CPU engines, 2-stage 1F1B of 64-wide layers, 3 s between
+    clicks: the stepped bubble was 11 points above full speed without this, 3-6 with it. It costs 5 ms a click."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _pipeline_communicator(ranks: int):
@@ -414,24 +457,20 @@ def _drain(requests: list, stop: threading.Event) -> None:
 
 
 def step(pipeline_id: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
-    """A whole step at full speed: no synchronisation between ticks, one barrier before the first.
-
-    The notebook's requests reach the ranks one after another (rank 0's carries the batch); without the barrier
-    the measured timeline would count that skew as bubble. The barrier costs tens of microseconds on one host.
-    """
+    """A whole step at full speed: one call, so one barrier before the first action and no synchronisation
+    between ticks. (The barrier costs tens of microseconds on one host.)"""
     begin(pipeline_id, shapes, inputs, targets, loss_fn)
-    _executor(pipeline_id).group.Barrier()
     return advance(pipeline_id, None, publish_every)
 
 
 def _as_tuples(spans: list) -> list[tuple]:
-    return [(s.action, s.start, s.end, s.wait) for s in spans]
+    return [(s.action, s.start, s.end, s.wait, s.call) for s in spans]
 
 
-def _publish(rank: int, spans: list) -> None:
+def _publish(rank: int, state: StepState) -> None:
     from ipyparallel.datapub import publish_data
 
-    publish_data({"rank": rank, "spans": _as_tuples(spans)})
+    publish_data({"rank": rank, "spans": _as_tuples(state.spans), "calls": list(state.calls)})
 
 
 def parameters(pipeline_id: str, grads: bool) -> dict:

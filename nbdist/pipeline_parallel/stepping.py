@@ -1,15 +1,21 @@
-"""Ticks: the lockstep clock a Stepper advances by.
+"""Ticks: the lockstep clock a Stepper advances by, and the two timelines a stepped step is read on.
 
 At tick t every rank runs its next action if that action's inputs exist by then (sends are buffered, a receive
 needs its send, a backward its gradient). Stopping all ranks at a tick boundary is therefore always safe: no rank
 waits for a message that another rank has not sent yet. `state_at` replays the ticks to say what each rank just
 did, which messages are in flight and how many micro-batches' activations each rank holds.
+
+A stepped step is measured in seconds like a full-speed one, but between two calls (two clicks on Step) the ranks
+wait for a person. `work_timeline` takes those pauses out, so the chart and its bubble show the work; `tick_timeline`
+puts every action at its tick instead, the axis the Stepper itself moves along.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nbdist.schedules.actions import RECV_B, RECV_F, SEND_B, SEND_F
+from nbdist.schedules.simulate import Span, Timeline
 from nbdist.schedules.simulate import ticks as lockstep
 
 
@@ -63,3 +69,47 @@ def state_at(schedule, ticks: dict[int, list[int]], tick: int) -> TickState:
 def total_ticks(ticks: dict[int, list[int]]) -> int:
     """How many ticks the whole step takes."""
     return 1 + max((t[-1] for t in ticks.values() if t), default=-1)
+
+
+def tick_timeline(schedule, ticks: dict[int, list[int]], upto: int | None = None, name: str = "") -> Timeline:
+    """Every action at its tick (one tick long), for the ticks before `upto` (None: the whole step).
+
+    A normal Timeline in unit "tick", so the one Gantt function draws it; its bubble is the share of rank-ticks
+    without compute (sends and receives take a tick of their own here).
+    """
+    spans = {
+        rank: [Span(a, float(t), float(t + 1)) for a, t in zip(acts, ticks[rank]) if upto is None or t < upto]
+        for rank, acts in schedule.program.items()
+    }
+    return Timeline(spans, unit="tick", name=name or f"{schedule.name} (ticks)")
+
+
+def work_timeline(reports: Mapping[int, Mapping], name: str = "") -> Timeline:
+    """The measured timeline of a step with the pauses between calls taken out.
+
+    reports: rank -> {"spans": [(action, start, end, wait, call), ...], "calls": [start of call 0, call 1, ...]},
+    as the ranks report them (executor.advance): every call starts with a barrier of the pipeline's ranks, and
+    "calls" holds when each rank left it. Call k is shifted left so that it starts where the work of the calls
+    before it ended; the time removed is kept in the timeline's `cuts`. Within a call nothing is moved, so the
+    idle time the schedule (or the tick lockstep) causes stays. A full-speed step is one call: nothing is cut.
+    """
+    origins: dict[int, float] = {}
+    for report in reports.values():
+        for call, started in enumerate(report.get("calls", ())):
+            origins[call] = min(origins.get(call, started), started)
+    by_call: dict[int, list[tuple[int, tuple]]] = {}
+    for rank, report in reports.items():
+        for item in report.get("spans", ()):
+            by_call.setdefault(item[4] if len(item) > 4 else 0, []).append((rank, tuple(item)))
+    rows: dict[int, list[tuple]] = {rank: [] for rank in reports}
+    cuts, shift, work_end = [], 0.0, None
+    for call in sorted(by_call):
+        items = by_call[call]
+        origin = origins.get(call, min(item[1] for _, item in items))
+        if work_end is not None and origin - shift > work_end:
+            cuts.append((work_end, origin - shift - work_end))
+            shift = origin - work_end
+        for rank, (action, start, end, wait, *_) in items:
+            rows[rank].append((action, start - shift, end - shift, wait))
+        work_end = max([end - shift for _, (_, _, end, *_) in items] + ([work_end] if work_end is not None else []))
+    return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts)

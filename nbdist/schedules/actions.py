@@ -17,6 +17,9 @@ COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 COMMS = (SEND_F, RECV_F, SEND_B, RECV_B)
 KINDS = COMPUTE + COMMS
 
+_WORDS = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "input-gradient backward (I)",
+          BACKWARD_WEIGHT: "weight-gradient backward (W)"}
+
 _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
@@ -47,6 +50,20 @@ class Action:
         """+1 for a forward (it keeps its activation), -1 for the action that frees it: B, or W when the
         backward is split (W still needs the stage's inputs), 0 otherwise."""
         return 1 if self.kind == FORWARD else -1 if self.kind in (BACKWARD, BACKWARD_WEIGHT) else 0
+
+    @property
+    def message(self) -> str:
+        """What a send or receive carries, in words: 'the activation of micro-batch 3' or 'the gradient of ...'."""
+        carried = "activation" if self.kind in (SEND_F, RECV_F) else "gradient"
+        return f"the {carried} of micro-batch {self.microbatch}"
+
+    def describe(self) -> str:
+        """The action in words, for hover texts: 'forward of micro-batch 3 on stage 1', 'send of the activation
+        of micro-batch 3 to stage 2'."""
+        if self.is_comm:
+            verb, way = ("send", "to") if self.kind in (SEND_F, SEND_B) else ("receive", "from")
+            return f"{verb} of {self.message} {way} stage {self.peer_stage()}"
+        return f"{_WORDS[self.kind]} of micro-batch {self.microbatch} on stage {self.stage}"
 
     def peer_stage(self) -> int:
         """The stage at the other end of a send or receive."""

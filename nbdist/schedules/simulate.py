@@ -11,8 +11,9 @@ after its send.
 """
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.errors import DistUsageError
@@ -165,19 +166,25 @@ class Span:
 class Timeline:
     """Per rank, the spans of one step, in the order the rank ran them; the same for simulated and measured steps.
 
-    `unit` names the time axis: "s" for a measured step, "" for a simulation (the unit of its durations).
+    `unit` names the time axis: "s" for a measured step, "" for a simulation (the unit of its durations), "tick"
+    for the lockstep ticks a Stepper advances by (every action one tick long).
+    `cuts` are the pauses taken out of a measured step that was stepped: (where on this axis, seconds removed).
+    Stepping waits for a person between calls; that time is no rank's work, so the work timeline closes the gap
+    and remembers where, so a chart can say so.
     """
 
     spans: dict[int, list[Span]]
     unit: str = "s"
     name: str = ""
+    cuts: list[tuple[float, float]] = field(default_factory=list)
 
     @classmethod
-    def from_spans(cls, spans: Mapping[int, Iterable[Any]], unit: str = "s", name: str = "") -> Timeline:
+    def from_spans(cls, spans: Mapping[int, Iterable[Any]], unit: str = "s", name: str = "",
+                   cuts: Iterable[tuple[float, float]] = ()) -> Timeline:
         """A timeline from per-rank spans: (action, start, end[, wait]) tuples or objects with those attributes.
 
         Actions may be strings ('0F3') or Actions. Times are shifted so the earliest start is 0, because a measured
-        clock (time.perf_counter) starts anywhere; all ranks must share that clock.
+        clock (time.perf_counter) starts anywhere; all ranks must share that clock. `cuts` are on the same clock.
         """
         rows = {int(rank): [_as_span(item) for item in items] for rank, items in spans.items()}
         starts = [s.start for row in rows.values() for s in row]
@@ -186,7 +193,12 @@ class Timeline:
             rank: [Span(s.action, s.start - origin, s.end - origin, s.wait) for s in row]
             for rank, row in sorted(rows.items())
         }
-        return cls(shifted, unit=unit, name=name)
+        return cls(shifted, unit=unit, name=name, cuts=[(at - origin, removed) for at, removed in cuts])
+
+    @property
+    def paused(self) -> float:
+        """Seconds of pauses taken out of this timeline (0 unless it was stepped)."""
+        return sum(removed for _, removed in self.cuts)
 
     @property
     def ranks(self) -> int:
@@ -244,8 +256,9 @@ class Timeline:
 
     def __repr__(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
+        paused = f", pauses removed {self.paused:.3g} s" if self.cuts else ""
         return (f"<Timeline {self.name or ''}: {self.ranks} ranks, makespan {self.makespan:.4g}{unit}, "
-                f"bubble {self.bubble_fraction:.1%}>")
+                f"bubble {self.bubble_fraction:.1%}{paused}>")
 
 
 def _as_span(item: Any) -> Span:
@@ -335,35 +348,43 @@ def _play(a: Action, clock: float, inputs_at: float, times: dict[str, float]) ->
     return Span(a, start, start + times.get((a.stage, a.kind), 0.0))
 
 
-def measured_durations(timeline: Timeline, stages: int, chunks: int = 1) -> dict | None:
-    """simulate() arguments that describe a measured step: per-stage mean compute per kind, message latency.
+def measured_durations(timelines: Timeline | Iterable[Timeline], stages: int, chunks: int = 1) -> dict | None:
+    """simulate() arguments that describe measured steps: per stage and kind the MEDIAN compute time, and the
+    median message latency.
 
-    forward/backward/weight are lists with one entry per stage, following the duration convention (a chunk's
-    time times `chunks`), so stages that really differ (the last one also computes the loss) stay different.
-    comm is the median latency of the messages whose receiver was already waiting: from the send's start to the
-    receive's end (one clock on one host). None until every stage has a forward and a backward.
+    Why the median: a measured step has cold outliers (the first backward on a fresh process can take 100x the
+    others: allocator, autograd warm-up); a mean lets one of them stretch a whole stage of the ideal. The median
+    over the micro-batches of a step, and over several steps when given several timelines (`Pipeline` passes its
+    last few), is the warm duration. forward/backward/weight are lists with one entry per stage, following the
+    duration convention (a chunk's time times `chunks`), so stages that really differ (the last one also computes
+    the loss) stay different. comm is the median latency of the messages whose receiver was already waiting: from
+    the send's start to the receive's end (one clock on one host). None until every stage has a forward and a
+    backward.
     """
-    spans = [s for row in timeline.spans.values() for s in row]
-    mean: dict[str, list] = {}
+    timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    spans = [s for t in timelines for row in t.spans.values() for s in row]
+    median: dict[str, list] = {}
     for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
         per_stage = [[s.busy for s in spans if s.action.kind == kind and s.action.stage == st] for st in range(stages)]
         if all(per_stage):
-            mean[kind] = [chunks * sum(x) / len(x) for x in per_stage]
-    if FORWARD not in mean or not (BACKWARD in mean or BACKWARD_INPUT in mean):
+            median[kind] = [chunks * statistics.median(x) for x in per_stage]
+    if FORWARD not in median or not (BACKWARD in median or BACKWARD_INPUT in median):
         return None
-    out = {"forward": mean[FORWARD], "comm": _message_latency(spans)}
-    if BACKWARD in mean:
-        out["backward"] = mean[BACKWARD]
+    latencies = [latency for t in timelines for latency in _message_latencies(t)]
+    out = {"forward": median[FORWARD], "comm": max(0.0, statistics.median(latencies)) if latencies else 0.0}
+    if BACKWARD in median:
+        out["backward"] = median[BACKWARD]
     else:
-        out["backward"], out["weight"] = mean[BACKWARD_INPUT], mean.get(BACKWARD_WEIGHT, [0.0] * stages)
+        out["backward"], out["weight"] = median[BACKWARD_INPUT], median.get(BACKWARD_WEIGHT, [0.0] * stages)
     return out
 
 
-def _message_latency(spans: list[Span]) -> float:
+def _message_latencies(timeline: Timeline) -> list[float]:
+    """Send start to receive end, for the receives that waited (their message was not there yet)."""
+    spans = [s for row in timeline.spans.values() for s in row]
     sent = {s.action: s.start for s in spans if s.action.kind in (SEND_F, SEND_B)}
-    latencies = sorted(
+    return [
         s.end - sent[s.action.matching()]
         for s in spans
         if s.action.kind in (RECV_F, RECV_B) and s.wait > 0 and s.action.matching() in sent
-    )
-    return max(0.0, latencies[len(latencies) // 2]) if latencies else 0.0
+    ]

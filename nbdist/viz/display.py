@@ -1,18 +1,105 @@
-"""Showing a plotly figure so that it appears wherever the notebook is read.
+"""Showing a plotly figure so that it appears wherever the notebook is read, with or without a network.
 
-JupyterLab renders plotly's own mimetype (interactive); a notebook executed headless and exported to HTML (nbconvert,
-GitHub) knows only text/html. `show` sends both in one output, and each reader picks what it can render.
+JupyterLab renders plotly's own mimetype (interactive, with its own plotly.js); a notebook executed headless and
+exported to HTML (nbconvert) knows only text/html. `show` sends both in one output, and each reader picks what it
+can render. The HTML (`figure_html`) draws with plotly.js embedded in the notebook itself, ONCE: the first figure
+HTML a kernel emits carries the whole bundle inline (`plotly_loader_html`), later ones use the global `Plotly` it
+defines. A CDN would leave every figure a blank box offline (a compute node, a train, a locked-down lab); once per
+figure would add ~5 MB per figure.
+
+Two guards keep the HTML harmless where it is not needed. In a live JupyterLab / Notebook 7 page (which renders
+the plotly mimetype, or a widget, instead), the loader and the figures do nothing. Where require.js is on the page
+(nbconvert's templates load it), a UMD bundle would register as an AMD module and never set `window.Plotly`: the
+loader runs the bundle with `define`, `exports` and `module` hidden.
 """
 from __future__ import annotations
 
+import json
+import uuid
+
 from IPython.display import display
 
+LIVE_JUPYTER = ".jp-LabShell, .jp-NotebookShell"  # the page of a running JupyterLab / Notebook 7
 
-def show(fig, include_plotlyjs: str | bool = "cdn") -> None:
-    """Display `fig` as plotly JSON (for JupyterLab) and as HTML (for exported notebooks)."""
+
+class _Loader:
+    """Whether this kernel has emitted plotly.js yet: from which notebook cell (when the front end says which)
+    and in which execution of it."""
+
+    emitted = False
+    cell: str | None = None
+    execution: str | None = None
+
+
+def _current_execution() -> tuple[str | None, str | None]:
+    """(cell id, request id) of the cell being executed. JupyterLab sends the cell id; nbclient does not."""
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        parent = (kernel.get_parent() if kernel is not None else None) or {}
+        return parent.get("metadata", {}).get("cellId"), parent.get("header", {}).get("msg_id")
+    except (AttributeError, TypeError):
+        return None, None
+
+
+def claim_loader() -> bool:
+    """True when the caller must emit plotly.js now: nothing emitted it yet in this kernel, or the cell that did is
+    running again (its old outputs, plotly.js with them, are being replaced). Records the claim."""
+    cell, execution = _current_execution()
+    rerun = cell is not None and cell == _Loader.cell and execution != _Loader.execution
+    if _Loader.emitted and not rerun:
+        return False
+    _Loader.emitted, _Loader.cell, _Loader.execution = True, cell, execution
+    return True
+
+
+def plotly_loader_html() -> str:
+    """A script that defines `window.Plotly` from the plotly.js bundle inline (no network), unless it exists."""
+    from plotly.offline import get_plotlyjs
+
+    return (
+        '<script type="text/javascript">\n(function () {\n'
+        f"  if (window.Plotly || document.querySelector({json.dumps(LIVE_JUPYTER)})) return;\n"
+        "  (function (define, exports, module) {\n"
+        + get_plotlyjs()
+        + "\n  }).call(window);\n})();\n</script>\n"
+    )
+
+
+def figure_html(fig, loader: bool | None = None) -> str:
+    """The figure as an HTML fragment that draws with the page's `Plotly`.
+
+    loader: put plotly.js in front of it; None: only if this kernel has not emitted it yet (`claim_loader`).
+    The figure waits for the page's load event when plotly.js is not there yet (a loader further down the page),
+    and does nothing inside a live JupyterLab, which shows the figure its own way.
+    """
+    if loader is None:
+        loader = claim_loader()
+    figure = fig.to_json().replace("</", "<\\/")  # no "</script>" inside the script
+    div = f"nbdist-figure-{uuid.uuid4().hex}"
+    height = fig.layout.height
+    style = f"width:100%;height:{int(height)}px" if height else "width:100%"
+    script = (
+        '<script type="text/javascript">\n(function () {\n'
+        f"  var figure = {figure};\n"
+        "  function draw() {\n"
+        f'    var el = document.getElementById("{div}");\n'
+        f"    if (!el || !window.Plotly || document.querySelector({json.dumps(LIVE_JUPYTER)})) return;\n"
+        "    window.Plotly.newPlot(el, figure.data, figure.layout, {responsive: true, displaylogo: false});\n"
+        "  }\n"
+        '  if (window.Plotly) draw(); else window.addEventListener("load", draw);\n'
+        "})();\n</script>\n"
+    )
+    body = f'<div id="{div}" class="nbdist-figure" style="{style}"></div>\n{script}'
+    return (plotly_loader_html() if loader else "") + body
+
+
+def show(fig) -> None:
+    """Display `fig` as plotly JSON (for JupyterLab) and as HTML (for exported notebooks, offline included)."""
     bundle = {
         "application/vnd.plotly.v1+json": fig.to_plotly_json(),
-        "text/html": fig.to_html(include_plotlyjs=include_plotlyjs, full_html=False),
+        "text/html": figure_html(fig),
         "text/plain": f"<plotly figure: {fig.layout.title.text or 'untitled'}>",
     }
     display(bundle, raw=True)

@@ -1,1 +1,2 @@
-"""ipywidgets over nbdist.viz: live views that fall back to static figures when nothing renders widgets."""
+"""ipywidgets over nbdist.viz: live views (figures redrawn in place, figure.py) with a static copy beside them for
+readers without widgets (pipeline_view.py)."""
