@@ -1,8 +1,9 @@
-"""Hand-built all-reduce (ring, tree, recursive doubling) on a real 4-engine cluster, against dist.all_reduce.
+"""Hand-built all-reduce (ring, tree, recursive doubling) on a real 8-engine cluster, against dist.all_reduce, and
+the one cost table (nbdist.collectives.costs) against what the algorithms really send.
 
-One 4-engine cluster covers 2, 3 and 4 ranks: the algorithms take a process group, and `trace(world_size=n)` runs
-them on the group of ranks 0..n-1 (3 is the non-power-of-two case: the tree's missing partners and recursive
-doubling's fold-in / fold-out).
+One 8-engine cluster covers 2 to 8 ranks: the algorithms take a process group, and `trace(world_size=n)` runs
+them on the group of ranks 0..n-1 (3, 5 and 6 are the non-power-of-two cases: the tree's missing partners and
+recursive doubling's fold-in / fold-out).
 """
 import math
 
@@ -10,18 +11,18 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.collectives import algorithms, trace
+from nbdist.collectives import algorithms, benchmark, costmodel, costs, trace
 from nbdist.collectives.algorithms import message_counts
 from nbdist.errors import DistError, DistUsageError
 from nbdist.options import ClusterOptions
 
 NAMES = ["ring", "tree", "recursive-doubling"]
-RANKS = [2, 3, 4]
+RANKS = [2, 3, 4, 5, 6, 8]
 
 
 @pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
+def eight():
+    cluster = nbdist.Cluster(ClusterOptions(n=8)).start()
     yield cluster
     cluster.stop()
 
@@ -38,8 +39,8 @@ def expected_steps(name: str, n: int) -> int:
 @pytest.mark.parametrize("size", [12, 13, 2])  # divides by 2, 3 and 4; divides by none; fewer elements than ranks
 @pytest.mark.parametrize("n", RANKS)
 @pytest.mark.parametrize("name", NAMES)
-def test_equals_library_all_reduce(four, name, n, size):
-    t = trace(name, world_size=n, size=size, cluster=four, seed=size)
+def test_equals_library_all_reduce(eight, name, n, size):
+    t = trace(name, world_size=n, size=size, cluster=eight, seed=size)
     assert t.matches_library and t.max_diff <= 1e-5
     assert t.world_size == n and sum(t.chunk_sizes) == size
     assert len(t.chunk_sizes) == (n if name == "ring" else 1)
@@ -48,16 +49,16 @@ def test_equals_library_all_reduce(four, name, n, size):
 
 @pytest.mark.parametrize("n", RANKS)
 @pytest.mark.parametrize("name", NAMES)
-def test_record_has_the_expected_steps(four, name, n):
-    t = trace(name, world_size=n, size=16, cluster=four)
+def test_record_has_the_expected_steps(eight, name, n):
+    t = trace(name, world_size=n, size=16, cluster=eight)
     assert len(t.steps) == expected_steps(name, n) == message_counts(name, n, 64).steps
     assert [s["step"] for s in t.steps] == list(range(1, len(t.steps) + 1))
     assert all(len(s["holds"]) == n for s in t.steps)
 
 
-def test_ring_moves_one_chunk_to_the_right_per_step(four):
+def test_ring_moves_one_chunk_to_the_right_per_step(eight):
     n = 4
-    t = trace("ring", world_size=n, size=16, cluster=four)
+    t = trace("ring", world_size=n, size=16, cluster=eight)
     assert [s["phase"] for s in t.steps] == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1)
     for s in t.steps:
         assert sorted((src, dst) for src, dst, _ in s["sends"]) == [(r, (r + 1) % n) for r in range(n)]
@@ -65,21 +66,21 @@ def test_ring_moves_one_chunk_to_the_right_per_step(four):
     for r in range(n):  # rank r ends the reduce-scatter with the full sum of chunk r+1, and of no other
         full = [c for c, h in enumerate(after_reduce_scatter[r]) if h == list(range(n))]
         assert full == [(r + 1) % n]
-    assert t.bytes_sent == [message_counts("ring", n, 64).bytes] * n  # 2(n-1) chunks of S/n each
+    assert t.bytes_sent == [message_counts("ring", n, 64).busiest_rank_bytes] * n  # 2(n-1) chunks of S/n each
 
 
-def test_tree_and_recursive_doubling_send_whole_tensors(four):
-    tree = trace("tree", world_size=4, size=16, cluster=four)
+def test_tree_and_recursive_doubling_send_whole_tensors(eight):
+    tree = trace("tree", world_size=4, size=16, cluster=eight)
     assert [s["phase"] for s in tree.steps] == ["reduce", "reduce", "broadcast", "broadcast"]
     assert tree.steps[0]["sends"] == [(1, 0, 0), (3, 2, 0)] and tree.steps[1]["sends"] == [(2, 0, 0)]
-    assert max(tree.bytes_sent) <= message_counts("tree", 4, 64).bytes
-    doubling = trace("recursive-doubling", world_size=4, size=16, cluster=four)
+    assert tree.bytes_sent == [128, 64, 128, 64]  # rank 0 sends only in the broadcast; ranks 1 and 3 only reduce
+    doubling = trace("recursive-doubling", world_size=4, size=16, cluster=eight)
     assert doubling.steps[1]["sends"] == [(0, 2, 0), (1, 3, 0), (2, 0, 0), (3, 1, 0)]  # partners: rank XOR 2
-    assert doubling.bytes_sent == [message_counts("recursive-doubling", 4, 64).bytes] * 4
+    assert doubling.bytes_sent == [2 * 64] * 4
 
 
-def test_recursive_doubling_folds_the_extra_rank_in_and_out(four):
-    t = trace("recursive-doubling", world_size=3, size=5, cluster=four)
+def test_recursive_doubling_folds_the_extra_rank_in_and_out(eight):
+    t = trace("recursive-doubling", world_size=3, size=5, cluster=eight)
     assert [s["phase"] for s in t.steps] == ["fold-in", "exchange", "fold-out"]
     assert t.steps[0]["sends"] == [(2, 0, 0)] and t.steps[-1]["sends"] == [(0, 2, 0)]
     assert t.steps[0]["holds"] == [[[0, 2]], [[1]], [[2]]]
@@ -103,9 +104,9 @@ def _direct_call(name: str, n: int):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_in_place_on_integer_non_contiguous_tensors(four, name):
+def test_in_place_on_integer_non_contiguous_tensors(eight, name):
     for n in (1, 3):
-        results = four.run(_direct_call, name, n)[:n]
+        results = eight.run(_direct_call, name, n)[:n]
         for same_object, x, steps in results:
             assert same_object
             assert torch.equal(x, torch.arange(6).reshape(2, 3).t() * (n * (n + 1) // 2))
@@ -120,24 +121,26 @@ def _bool_all_reduce():
     ring_all_reduce(torch.ones(3, dtype=torch.bool))
 
 
-def test_bad_input_raises(four):
+def test_bad_input_raises(eight):
     with pytest.raises(DistUsageError, match="unknown all-reduce algorithm 'butterfly'"):
-        trace("butterfly", cluster=four)
-    for world_size in (1, 5, 2.0):
+        trace("butterfly", cluster=eight)
+    for world_size in (1, 9, 2.0):
         with pytest.raises(DistUsageError, match="world_size"):
-            trace("ring", world_size=world_size, cluster=four)
+            trace("ring", world_size=world_size, cluster=eight)
     with pytest.raises(DistUsageError, match="size"):
-        trace("ring", size=0, cluster=four)
+        trace("ring", size=0, cluster=eight)
     with pytest.raises(DistError, match="DistUsageError.*floating or integer"):
-        four.run(_bool_all_reduce)
-    assert trace("ring", cluster=four, size=8).matches_library  # the cluster still works
+        eight.run(_bool_all_reduce)
+    assert trace("ring", cluster=eight, size=8).matches_library  # the cluster still works
 
 
 def test_message_counts():
     ring = message_counts("ring", 4, 4096)
-    assert (ring.steps, ring.message_bytes, ring.bytes) == (6, 1024, 6144)
+    assert (ring.steps, ring.message_bytes, ring.critical_path_bytes, ring.busiest_rank_bytes) == (6, 1024, 6144, 6144)
     assert message_counts("ring", 3, 40).message_bytes == 16  # 10 floats: chunks of 4, 3, 3
-    assert (message_counts("tree", 3, 64).steps, message_counts("tree", 8, 64).bytes) == (4, 6 * 64)
+    tree = message_counts("tree", 8, 64)
+    assert message_counts("tree", 3, 64).steps == 4
+    assert (tree.critical_path_bytes, tree.busiest_rank_bytes) == (6 * 64, 3 * 64)  # rank 0 sends in 3 rounds of 6
     assert [message_counts("recursive-doubling", n, 64).steps for n in (2, 4, 6, 8)] == [1, 2, 4, 3]
     assert message_counts("ring", 1, 64).steps == 0
     assert message_counts("tree", 4, 64).seconds(alpha=1e-6, beta=1e-9) == pytest.approx(4e-6 + 256e-9)
@@ -150,8 +153,8 @@ def test_message_counts():
 
 
 @pytest.mark.parametrize("name,n", [("ring", 4), ("tree", 3), ("recursive-doubling", 3)])
-def test_figure_has_one_frame_per_step_and_a_slider(four, name, n):
-    t = trace(name, world_size=n, size=10, cluster=four)
+def test_figure_has_one_frame_per_step_and_a_slider(eight, name, n):
+    t = trace(name, world_size=n, size=10, cluster=eight)
     fig = t.figure()
     assert len(fig.frames) == len(t.steps)
     assert [s.label for s in fig.layout.sliders[0].steps] == [str(k) for k in range(1, len(t.steps) + 1)]
@@ -167,8 +170,52 @@ def test_figure_has_one_frame_per_step_and_a_slider(four, name, n):
     assert "plotly" in fig.to_html(include_plotlyjs=False, full_html=False)
 
 
-def test_trace_repr_says_what_ran(four):
-    text = repr(trace("recursive-doubling", world_size=2, size=4, cluster=four))
+@pytest.mark.parametrize("size", [120, 13])  # 120 floats divide by every n here; 13 by none (uneven ring chunks)
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cost_table_is_what_the_algorithms_send(eight, name, n, size):
+    """The one table that costmodel and message_counts read agrees with the record of a real run: its steps, its
+    critical path (each step's largest message, summed) and what the busiest rank sends."""
+    t = trace(name, world_size=n, size=size, cluster=eight)
+    counts = message_counts(name, n, 4 * size)
+    assert (len(t.steps), t.critical_path_bytes, max(t.bytes_sent)) == (
+        counts.steps, counts.critical_path_bytes, counts.busiest_rank_bytes)
+    assert counts.steps == costs.steps(name, n) == expected_steps(name, n)
+    if size % n == 0:  # whole chunks: the alpha-beta model's coefficients are the same counts, per byte of S
+        steps, per_byte = costmodel.coefficients(name, n)
+        assert steps == counts.steps and per_byte == pytest.approx(counts.critical_path_bytes / (4 * size))
+        assert max(t.bytes_sent) == pytest.approx(costs.busiest_rank_share(name, n) * 4 * size)
+        fit = costmodel.AlphaBeta(alpha=1e-5, beta=1e-9)
+        assert fit.cost(name, 4 * size, n) == pytest.approx(counts.seconds(1e-5, 1e-9))
+
+
+def test_one_spelling_and_one_alias_everywhere(eight):
+    assert trace("recursive_doubling", world_size=3, size=4, cluster=eight).algorithm == "recursive-doubling"
+    assert message_counts("recursive_doubling", 6, 64) == message_counts("recursive-doubling", 6, 64)
+    fit = costmodel.AlphaBeta(alpha=1e-5, beta=1e-9)
+    assert fit.cost("recursive_doubling", 1024, 6) == fit.cost("recursive-doubling", 1024, 6)
+    assert fit.recursive_doubling(1024, 6) == fit.cost("recursive-doubling", 1024, 6)
+    assert fit.crossover(6, versus="recursive_doubling") == fit.crossover(6, versus="recursive-doubling")
+    for wrong in ("Recursive-Doubling", "recursive doubling", "rd", None):
+        with pytest.raises(DistUsageError, match="unknown all-reduce algorithm"):
+            message_counts(wrong, 4, 64)
+        with pytest.raises(DistUsageError, match="unknown all-reduce algorithm"):
+            fit.cost(wrong, 64, 4)
+    assert "n=6: 4α + 4·Sβ" in costs.legend("recursive_doubling", 6)  # fold-in, 2 exchanges, fold-out
+
+
+def test_benchmark_among_the_first_ranks_only(eight):
+    """ranks=2 on an 8-rank cluster: a 2-rank broadcast (one message: the alpha-beta model's unit), checked."""
+    rows = benchmark(ops=("broadcast", "all_reduce"), sizes=[1024, 4096], ranks=2, cluster=eight, iters=3, warmup=1)
+    assert len(rows) == 2 * 2 * 2 and all(r["ranks"] == 2 and r["checked"] and r["seconds"] > 0 for r in rows)
+    assert all(r["busbw"] == pytest.approx(r["algbw"]) for r in rows)  # 2(n-1)/n = 1 at n = 2, like broadcast's 1
+    fit = rows.fit("broadcast", "mpi")
+    assert fit.ranks == 2 and fit.op == "broadcast"
+    assert benchmark(ops="all_reduce", sizes=1024, cluster=eight, iters=2, warmup=0)[0]["ranks"] == 8  # all again
+
+
+def test_trace_repr_says_what_ran(eight):
+    text = repr(trace("recursive-doubling", world_size=2, size=4, cluster=eight))
     assert "recursive-doubling all-reduce on 2 ranks" in text and "1 step," in text and "matches" in text
 
 

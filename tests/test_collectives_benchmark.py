@@ -66,6 +66,17 @@ def test_only_chunked_ops_need_sizes_divisible_by_the_ranks(cluster):
     assert rows[0]["checked"] and rows[0]["size_bytes"] == 1028
 
 
+def test_ranks_picks_the_first_ranks(cluster):
+    """ranks=1 on 2 engines: rank 0 alone, in a group (and MPI communicator) of its own; rank 1 only helps make
+    them. Checked like any row; busbw is 0 for an all-reduce on one rank (nothing moves)."""
+    rows = benchmark(ops=("broadcast", "all_reduce"), sizes=1024, ranks=1, cluster=cluster, iters=2, warmup=0)
+    assert [(r["op"], r["via"], r["ranks"], r["checked"]) for r in rows] == [
+        ("broadcast", "torch", 1, True), ("broadcast", "mpi", 1, True),
+        ("all_reduce", "torch", 1, True), ("all_reduce", "mpi", 1, True)]
+    assert [r["busbw"] for r in rows if r["op"] == "all_reduce"] == [0.0, 0.0]
+    assert benchmark(ops="broadcast", via="mpi", sizes=1024, cluster=cluster, iters=2, warmup=0)[0]["ranks"] == 2
+
+
 def _engine_break_expected(broken: bool) -> None:
     import importlib
 
@@ -144,6 +155,9 @@ class _FakeCluster:
         ({"via": "nccl"}, "unknown via 'nccl': choose from torch, mpi"),
         ({"iters": 0}, "iters must be a positive whole number"),
         ({"warmup": -1}, "warmup must be a whole number >= 0"),
+        ({"ranks": 3}, "ranks must be a whole number from 1 to 2"),
+        ({"ranks": 0}, "ranks must be a whole number from 1 to 2"),
+        ({"ranks": True}, "ranks must be a whole number from 1 to 2"),
     ],
 )
 def test_bad_input_raises_before_anything_runs(kwargs, message):

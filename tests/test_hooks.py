@@ -98,6 +98,32 @@ def _topk_bookkeeping(ratio: float, steps: int) -> dict:
     return {"grads": grads, "sent": sent, "residual": residual, "layouts": layouts, "bytes": state.bytes_per_step}
 
 
+def _accumulate(no_sync: bool, steps: int, k: int = 2) -> dict:
+    """`steps` SGD steps of DDP (MPI hook, several buckets), each rank's shard in k micro-batches whose losses are
+    divided by k; with no_sync the first k-1 backward passes only accumulate."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from nbdist.data_parallel import ddp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ddp(build_model(), hook="mpi", bucket_cap_mb=0.01)
+    x, y = (t.chunk(world)[rank] for t in full_batch())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            quiet = model.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext()
+            with quiet:
+                (nn.functional.mse_loss(model(xm), ym) / k).backward()
+        optimizer.step()
+    state = model.comm_hook_state
+    return {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+            "buckets": state.buckets_per_step, "bytes": state.bytes_per_step, "full": state.full_bytes_per_step}
+
+
 def _bad_input() -> list[str]:
     """The errors register_hook and ddp raise on this rank, as 'Type: message'."""
     from torch.nn.parallel import DistributedDataParallel
@@ -300,8 +326,22 @@ def _powersgd_two_buckets(through_ddp: bool):
     return float(loss)
 
 
-def test_powersgd_never_hangs_on_several_buckets(cluster):
-    """torch's PowerSGD hook hangs on gloo with two buckets: ddp() avoids it, register_hook refuses it."""
+def test_accumulation_with_no_sync_equals_serial_with_fewer_all_reduces(cluster):
+    """Gradient accumulation over 2 micro-batches trains like the whole batch at once, with or without no_sync;
+    no_sync hands the hook each step's buckets once instead of once per micro-batch (HookState counts them)."""
+    steps, expected = 3, serial(3)
+    for no_sync in (True, False):
+        for result in cluster.run(_accumulate, no_sync, steps):
+            assert_params_close(result["params"], expected)
+            assert len(result["buckets"]) == steps * (1 if no_sync else 2)  # backward passes that communicated
+            assert result["buckets"][-1] > 1  # bucket_cap_mb=0.01: several buckets, once DDP rebuilt them (step 1)
+            assert result["bytes"] == result["full"]  # the MPI hook sends every bucket whole
+
+
+def test_powersgd_on_several_buckets_is_avoided_or_refused(cluster):
+    """torch's PowerSGD hook fails on gloo with two buckets (hangs or aborts): ddp() avoids it, register_hook
+    refuses it."""
     assert all(loss > 0 for loss in cluster.run(_powersgd_two_buckets, True, timeout=60))
-    with pytest.raises(DistError, match="PowerSGD on gloo hangs with more than one gradient bucket"):
+    refused = r"PowerSGD on gloo fails \(hangs or aborts\) with more than one gradient bucket"
+    with pytest.raises(DistError, match=refused):
         cluster.run(_powersgd_two_buckets, False, timeout=60)

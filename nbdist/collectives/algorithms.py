@@ -4,7 +4,8 @@ The three functions run ON the engines, on every rank of a process group, like `
 
     ring_all_reduce(t)                  reduce-scatter then all-gather of n chunks: 2(n-1) steps of S/n bytes
     tree_all_reduce(t)                  binomial tree reduce to rank 0, then broadcast: 2 ceil(log2 n) steps of S
-    recursive_doubling_all_reduce(t)    exchange with rank XOR 2^k: log2 n steps of S
+    recursive_doubling_all_reduce(t)    exchange with rank XOR 2^k: log2 n steps of S (floor(log2 n) + 2 when n
+                                        is not a power of two: a fold-in and a fold-out step more)
 
 A step is one round of messages; all of a rank's sends and receives of a step are posted together
 (`batch_isend_irecv`), so no ordering can deadlock and the same code runs on gloo and on nccl. With `record=[]`
@@ -14,7 +15,7 @@ what the ranks really exchanged, not what we expected them to.
 
 In the notebook, `trace("ring")` runs an algorithm on the cluster, checks it against `dist.all_reduce`, gathers
 every rank's record and draws it step by step (`trace(...).figure()`); `message_counts` gives the step and byte
-counts the alpha-beta model charges.
+counts the alpha-beta model charges, from the one cost table (nbdist.collectives.costs).
 
 On nccl, a group's first batch of point-to-point messages must involve all of its ranks (torch's rule for
 `batch_isend_irecv`), which the tree's first round does not for n = 3: run one collective on a fresh group first
@@ -31,6 +32,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from nbdist.collectives import costs
+from nbdist.collectives.costs import MessageCount, message_counts  # noqa: F401 (the counts live in the table)
 from nbdist.errors import DistError, DistUsageError
 
 # phases whose received chunks are added; in the others ("all-gather", "broadcast", "fold-out") they replace ours
@@ -212,56 +215,6 @@ ALGORITHMS: dict[str, Callable] = {
 }
 
 
-def _algorithm(name: str) -> Callable:
-    try:
-        return ALGORITHMS[name]
-    except (KeyError, TypeError):
-        raise DistUsageError(f"unknown all-reduce algorithm {name!r}: choose {', '.join(ALGORITHMS)}") from None
-
-
-# -- counting: what the alpha-beta model charges -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MessageCount:
-    """Steps and bytes of one all-reduce of `size` bytes over n ranks, along its critical path: each step costs
-    one latency (alpha) plus its largest message's bytes (beta per byte), so time ~ steps*alpha + bytes*beta."""
-
-    algorithm: str
-    n: int
-    size: int
-    steps: int
-    message_bytes: int  # the largest message of a step
-    bytes: int  # steps * message_bytes: what each rank on the critical path sends
-
-    def seconds(self, alpha: float, beta: float) -> float:
-        """Predicted time with latency alpha (s per message) and beta (s per byte)."""
-        return self.steps * alpha + self.bytes * beta
-
-
-def message_counts(algorithm: str, n: int, size: int, itemsize: int = 4) -> MessageCount:
-    """Steps and bytes per rank of `algorithm` for `size` bytes over n ranks (elements of `itemsize` bytes).
-
-    ring 2(n-1) steps of S/n; tree 2 ceil(log2 n) steps of S; recursive doubling log2 n steps of S, plus a
-    fold-in and a fold-out step when n is not a power of two. Ring chunks are whole elements, so S/n rounds up.
-    """
-    _algorithm(algorithm)
-    if not isinstance(n, int) or n < 1:
-        raise DistUsageError(f"n must be a positive number of ranks, got {n!r}")
-    if not isinstance(size, int) or size < 0 or size % itemsize:
-        raise DistUsageError(f"size must be a whole number of {itemsize}-byte elements, in bytes; got {size!r}")
-    if n == 1:
-        return MessageCount(algorithm, n, size, 0, 0, 0)
-    if algorithm == "ring":
-        steps, message = 2 * (n - 1), (size // itemsize + n - 1) // n * itemsize
-    elif algorithm == "tree":
-        steps, message = 2 * (n - 1).bit_length(), size
-    else:
-        power = n & (n - 1) == 0
-        steps, message = (n.bit_length() - 1) + (0 if power else 2), size
-    return MessageCount(algorithm, n, size, steps, message, steps * message)
-
-
 # -- tracing: run on the cluster, check against the library, gather the records (kernel side) -------------------
 
 _GROUPS: dict[int, object] = {}  # engine side: world size -> process group of ranks 0..n-1 (created once)
@@ -319,12 +272,20 @@ class Trace:
 
     @property
     def bytes_sent(self) -> list[int]:
-        """Bytes each rank sent in total (float32), from the record: compare with `message_counts`."""
+        """Bytes each rank sent in total (float32), from the record; the largest is `message_counts(...)
+        .busiest_rank_bytes`."""
         sent = [0] * self.world_size
         for step in self.steps:
             for src, _, chunk in step["sends"]:
                 sent[src] += 4 * self.chunk_sizes[chunk]
         return sent
+
+    @property
+    def critical_path_bytes(self) -> int:
+        """The sum over steps of each step's largest message (float32 bytes), from the record: what the alpha-beta
+        model charges beta for (`message_counts(...).critical_path_bytes`)."""
+        return sum(max((4 * self.chunk_sizes[chunk] for _, _, chunk in step["sends"]), default=0)
+                   for step in self.steps)
 
     def __repr__(self) -> str:
         verdict = "matches" if self.matches_library else "DIFFERS FROM"
@@ -337,12 +298,13 @@ class Trace:
 
 def trace(algorithm: str, world_size: int | None = None, size: int = 1024, cluster=None, *, seed: int = 0,
           timeout: float | None = 120.0) -> Trace:
-    """Run `algorithm` ("ring", "tree", "recursive-doubling") on ranks 0..world_size-1 of the cluster (default:
-    all) on random float32 tensors of `size` elements, check it equals `dist.all_reduce` of the same tensors
-    (DistError if not), and return every rank's record merged step by step. `.figure()` draws it."""
+    """Run `algorithm` ("ring", "tree", "recursive-doubling", or the alias "recursive_doubling") on ranks
+    0..world_size-1 of the cluster (default: all) on random float32 tensors of `size` elements, check it equals
+    `dist.all_reduce` of the same tensors (DistError if not), and return every rank's record merged step by step.
+    `.figure()` draws it."""
     from nbdist.cluster import current
 
-    _algorithm(algorithm)
+    algorithm = costs.canonical(algorithm)  # one spelling, one alias, checked in one place
     cluster = cluster or current()
     n = cluster.world_size if world_size is None else world_size
     if not isinstance(n, int) or not 2 <= n <= cluster.world_size:

@@ -4,27 +4,40 @@
 β (seconds per byte) is the cost of each further byte; 1/β is the bandwidth. `fit_alpha_beta` fits the line to
 the rows of a benchmark sweep (nbdist.collectives.benchmark).
 
-With α and β taken as the cost of one message, the classic all-reduce algorithms on n ranks cost
+With α and β taken as the cost of one message, an n-rank all-reduce that takes k steps with c critical-path bytes
+costs k·α + c·β. The steps and bytes of each algorithm come from one table, `nbdist.collectives.costs` (which a
+test checks against what the hand-built algorithms really send):
 
     ring                 2(n-1)·α + 2(n-1)/n·S·β    reduce-scatter then all-gather around a ring: 2(n-1) steps,
                                                     each moving S/n bytes
-    binomial tree        2·log2(n)·(α + S·β)        reduce to a root, then broadcast back: log2(n) rounds each,
-                                                    every round moving the whole S
-    recursive doubling   log2(n)·(α + S·β)          log2(n) rounds of swapping the whole S with the rank at
-                                                    distance 1, 2, 4, ... and adding
+    binomial tree        2⌈log2 n⌉·(α + S·β)        reduce to a root, then broadcast back: ⌈log2 n⌉ rounds
+                                                    each, every round moving the whole S
+    recursive doubling   log2 n·(α + S·β)           log2 n rounds of swapping the whole S with the rank at
+                                                    distance 1, 2, 4, ... and adding; when n is not a power of
+                                                    two, ⌊log2 n⌋ + 2 rounds (the ranks beyond the largest power
+                                                    of two fold in first and get the result back last)
 
-(log2(n) rounded up where n is not a power of two). Why large messages go round a ring and small ones up a tree:
-the ring's bandwidth term, 2(n-1)/n·S·β, is the least any all-reduce can move (every rank must send out and take
-in (n-1)/n of the data twice: once to reduce, once to share the result), and it hardly grows with n, so the ring
-is bandwidth-optimal; but its latency term grows linearly with n. Tree and recursive doubling pay α only log2(n)
-times but move the whole S in every round, so their bandwidth term grows with log2(n). Small S: α dominates and
-log2(n) latency wins; large S: β dominates and the ring wins. NCCL chooses between ring and tree by size for this
-reason; MPICH uses recursive doubling for short all-reduces and reduce-scatter + all-gather (Rabenseifner) for
-long ones.
+Why large messages go round a ring and small ones up a tree: without in-network reduction, 2(n-1)/n·S is the least
+any all-reduce built from point-to-point messages can move per rank (each element of the result needs n-1 additions
+and n copies spread over n ranks, so 2(n-1) transfers of every element shared by n links; nccl-tests'
+doc/PERFORMANCE.md derives this, and its bus bandwidth rests on it). The ring's bandwidth term is exactly that, so
+the ring is bandwidth-optimal; but its latency term grows linearly with n. Tree and recursive doubling pay α only
+about log2 n times but move the whole S in every round, so their bandwidth term grows with log2 n. Small S: α
+dominates and few steps win; large S: β dominates and the ring wins. With in-network reduction (InfiniBand SHARP,
+NVLink SHARP: NCCL's CollNet and NVLS algorithms) the switches do the adding: each rank sends its S once and
+receives the sum once, which beats the bound for n > 2 (nccl-tests lists a separate bus-bandwidth factor for it).
+
+What real libraries do is more refined than this model. MPICH uses recursive doubling for short all-reduces and, for
+long ones, Rabenseifner's algorithm: a reduce-scatter by recursive halving, then an all-gather by recursive
+doubling, 2·log2 n steps (n a power of two) moving the ring's 2(n-1)/n·S (Thakur, Rabenseifner and Gropp,
+"Optimization of Collective Communication Operations in MPICH", IJHPCA 2005). NCCL does not pick by a binomial-tree
+model: it estimates the time of every algorithm × protocol pair ({Ring, Tree, CollNet, NVLS, ...} × {LL, LL128,
+Simple}) with its own tuning model and takes the fastest for each size (NVIDIA/nccl issue 457); its tree is a
+pipelined double binary tree between nodes and a chain within a node (issues 919 and 545).
 
 What the fit measures: the α and β of the *operation fitted*, as the library runs it on the measured ranks, seen as
-one message. For the α and β of one message between two ranks, fit a 2-rank broadcast (`op="broadcast"`), which is
-exactly one send: t = α + S·β.
+one message. For the α and β of one message between two ranks, fit a 2-rank broadcast
+(`benchmark(ops="broadcast", ranks=2)`), which is exactly one send: t = α + S·β.
 """
 from __future__ import annotations
 
@@ -34,28 +47,14 @@ from typing import Iterable
 
 import numpy as np
 
+from nbdist.collectives import costs
 from nbdist.errors import DistUsageError
-
-ALGORITHMS = ("ring", "tree", "recursive-doubling")  # the names algorithms.trace takes
-
-
-def rounds(n: int) -> int:
-    """log2(n) rounded up: the rounds of a binomial tree or of recursive doubling on n ranks."""
-    return math.ceil(math.log2(n))
 
 
 def coefficients(algorithm: str, n: int) -> tuple[float, float]:
-    """(multiple of α, multiple of S·β) in the cost of an n-rank all-reduce by `algorithm`."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
-        raise DistUsageError(f"an all-reduce algorithm needs n >= 2 ranks, got {n!r}")
-    algorithm = str(algorithm).replace("_", "-")  # "recursive_doubling" (the method's name) is accepted too
-    if algorithm == "ring":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if algorithm == "tree":
-        return 2 * rounds(n), 2 * rounds(n)
-    if algorithm == "recursive-doubling":
-        return rounds(n), rounds(n)
-    raise DistUsageError(f"unknown algorithm {algorithm!r}: choose from {', '.join(ALGORITHMS)}")
+    """(multiple of α, multiple of S·β) in the cost of an n-rank all-reduce by `algorithm`: its steps and its
+    critical-path bytes per byte of S, from the one table (nbdist.collectives.costs)."""
+    return costs.coefficients(algorithm, n)
 
 
 @dataclass(frozen=True, repr=False)
@@ -81,7 +80,7 @@ class AlphaBeta:
 
     def cost(self, algorithm: str, size, n: int):
         """Seconds an n-rank all-reduce of `size` bytes takes by `algorithm` ("ring", "tree",
-        "recursive-doubling"), if one message costs alpha + beta·S."""
+        "recursive-doubling"; "recursive_doubling" works too), if one message costs alpha + beta·S."""
         a, b = coefficients(algorithm, n)
         return self._evaluate(a, b, size)
 
@@ -90,11 +89,12 @@ class AlphaBeta:
         return self.cost("ring", size, n)
 
     def tree(self, size, n: int):
-        """2·log2(n)·(α + S·β): a binomial-tree reduce, then a broadcast."""
+        """2⌈log2 n⌉·(α + S·β): a binomial-tree reduce, then a broadcast."""
         return self.cost("tree", size, n)
 
     def recursive_doubling(self, size, n: int):
-        """log2(n)·(α + S·β): pairwise exchanges of the whole buffer at distance 1, 2, 4, ..."""
+        """log2(n)·(α + S·β): pairwise exchanges of the whole buffer at distance 1, 2, 4, ...
+        (⌊log2 n⌋ + 2 steps when n is not a power of two)."""
         return self.cost("recursive-doubling", size, n)
 
     def _evaluate(self, a: float, b: float, size):

@@ -43,15 +43,18 @@ Future = torch.futures.Future
 class HookState:
     """What a hook keeps between steps: the bytes this rank sends, per step, against the uncompressed bytes.
 
-    A step ends with DDP's last bucket (`bucket.is_last()`); `bytes_per_step[i]` is what step i sent and
-    `full_bytes_per_step[i]` what a plain all-reduce of the same buckets would have sent. `bucket_bytes` lists the
-    uncompressed size of each bucket of the last finished step, in the order DDP handed them over.
+    A step ends with DDP's last bucket (`bucket.is_last()`); `bytes_per_step[i]` is what step i sent,
+    `full_bytes_per_step[i]` what a plain all-reduce of the same buckets would have sent, and `buckets_per_step[i]`
+    how many buckets the hook was handed (one all-reduce each for the plain hooks). A backward run under DDP's
+    `no_sync()` hands over none, so it is no step here. `bucket_bytes` lists the uncompressed size of each bucket of
+    the last finished step, in the order DDP handed them over.
     """
 
     name: str = "mpi"
     process_group: Any = None  # torch.distributed group for the hooks that run on torch (None: the world)
     bytes_per_step: list = field(default_factory=list)
     full_bytes_per_step: list = field(default_factory=list)
+    buckets_per_step: list = field(default_factory=list)
     bucket_bytes: list = field(default_factory=list)
     _step_bytes: int = 0
     _step_buckets: list = field(default_factory=list)
@@ -63,6 +66,7 @@ class HookState:
         if bucket.is_last():
             self.bytes_per_step.append(self._step_bytes)
             self.full_bytes_per_step.append(sum(self._step_buckets))
+            self.buckets_per_step.append(len(self._step_buckets))
             self.bucket_bytes, self._step_buckets, self._step_bytes = self._step_buckets, [], 0
 
     @property
@@ -327,8 +331,11 @@ def choose(ddp_model: DistributedDataParallel) -> str:
 
 
 def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
-    """torch's PowerSGD hook hangs in backward on gloo as soon as DDP has more than one gradient bucket (measured
-    with torch 2.13 and torch's own hook, no nbdist in between); refuse that rather than hang."""
+    """torch's PowerSGD hook fails on gloo as soon as DDP has more than one gradient bucket: at the first compressed
+    step the ranks' all-reduces of different buckets get out of step, and the job hangs or gloo aborts it ("Received
+    data size doesn't match expected size ... collective mismatch"). An observation made here (torch 2.13, torch's
+    own hook registered directly on DDP, no nbdist in between, 2 CPU ranks, both outcomes seen); no upstream report
+    was found. Refuse that rather than let it happen."""
     if dist.get_backend(ddp_model.process_group) != "gloo":
         return
     nbytes = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters() if p.requires_grad)
@@ -338,7 +345,8 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
     if nbytes > min(caps):
         need = math.ceil(nbytes / 2**20) + 1
         raise DistUsageError(
-            f"PowerSGD on gloo hangs with more than one gradient bucket (a torch issue): build DDP with "
+            f"PowerSGD on gloo fails (hangs or aborts) with more than one gradient bucket (seen with torch 2.13): "
+            f"build DDP with "
             f"bucket_cap_mb >= {need} so that all {nbytes / 2**20:.1f} MiB of gradients make one bucket "
             f"(nbdist.data_parallel.ddp(..., hook='powersgd') does this)"
         )

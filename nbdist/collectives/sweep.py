@@ -25,6 +25,9 @@ real reduce-scatter moves (n-1)/n·S, so its busbw comes out at about half of gl
 carry a note saying so. An operation a backend does not support is reported as a row without a time, with the
 backend's message as its note.
 
+`ranks=k` times the ops on ranks 0..k-1 only (the others make the group with them, then wait): a 2-rank broadcast
+is exactly one message, the α + β·S that the alpha-beta model (costmodel.py) prices every step with.
+
 Iterations are chosen so that one timed loop lasts about `target_seconds` (0.1 s; small messages need thousands
 of iterations to rise above the clock and the loop's own cost); every rank uses the same count (agreed with a
 max-reduction), since a collective must be called equally often everywhere.
@@ -79,6 +82,7 @@ def benchmark(
     check: bool = True,
     *,
     target_seconds: float = TARGET_SECONDS,
+    ranks: int | None = None,
 ) -> "BenchmarkResult":
     """Time every op at every size (bytes, S as nccl-tests defines it) through every `via` on the cluster's ranks.
 
@@ -86,6 +90,7 @@ def benchmark(
     warmup: untimed operations first (connections, buffers and caches settle).
     check: run each operation once on rank-dependent values and compare the result exactly (a wrong result raises
     DistError naming op, via and size); the timing is done afterwards on zeroed buffers.
+    ranks: time the ops among ranks 0..ranks-1 only (default: all of the cluster's ranks).
     Everything is validated here, before any collective starts: a bad request raises DistUsageError and leaves
     no rank waiting in a collective.
     """
@@ -93,7 +98,7 @@ def benchmark(
 
     cluster = cluster or current()
     ops, vias, sizes = _parse(ops, OPS, "op"), _parse(via, VIAS, "via"), _parse_sizes(sizes)
-    n = cluster.world_size
+    n = _parse_ranks(ranks, cluster.world_size)
     _check_sizes(ops, sizes, n)
     _check_counts(iters, warmup, target_seconds)
     if "mpi" in vias:
@@ -102,8 +107,8 @@ def benchmark(
     for op in ops:
         for size in sizes:
             for v in vias:  # torch and MPI side by side at each size: the same moment of a noisy machine
-                per_rank = cluster.run(_engine_measure, op, v, size, iters, warmup, check, target_seconds)
-                rows.append(_row(op, v, size, n, check, per_rank))
+                per_rank = cluster.run(_engine_measure, op, v, size, iters, warmup, check, target_seconds, n)
+                rows.append(_row(op, v, size, n, check, per_rank[:n]))
     return BenchmarkResult(rows)
 
 
@@ -115,6 +120,15 @@ def _parse(value: str | Iterable[str], allowed: tuple[str, ...], what: str) -> l
         if item not in allowed:
             raise DistUsageError(f"unknown {what} {item!r}: choose from {', '.join(allowed)}")
     return list(dict.fromkeys(chosen))
+
+
+def _parse_ranks(ranks: int | None, world_size: int) -> int:
+    if ranks is None:
+        return world_size
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= world_size:
+        raise DistUsageError(f"ranks must be a whole number from 1 to {world_size} (the cluster's ranks), "
+                             f"got {ranks!r}")
+    return ranks
 
 
 def _parse_sizes(sizes: int | Iterable[int]) -> list[int]:
@@ -292,13 +306,46 @@ def _engine_mpi_world() -> dict:
 
 
 def _engine_measure(op: str, via: str, size: int, iters: int | None, warmup: int, check: bool,
-                    target_seconds: float) -> dict:
-    """Check (optional), warm up, calibrate and time `op` through `via` on S = `size` bytes; seconds per op."""
+                    target_seconds: float, members: int | None = None) -> dict | None:
+    """Check (optional), warm up, calibrate and time `op` through `via` on S = `size` bytes among ranks
+    0..members-1 (default: all); seconds per op. None on a rank outside them."""
     import torch.distributed as dist
 
-    n, rank = dist.get_world_size(), dist.get_rank()
-    bench = _Collective(op, via, size, n, rank)
-    report = {"rank": rank, "backend": bench.backend, "note": bench.note}
+    members = members or dist.get_world_size()
+    group, comm = _engine_group(members, via)  # collective: every rank makes them, members or not
+    if dist.get_rank() >= members:
+        return None
+    try:
+        return _engine_time(_Collective(op, via, size, members, dist.get_rank(), group, comm), iters, warmup, check,
+                            target_seconds)
+    finally:
+        if comm is not None and members < dist.get_world_size():
+            comm.Free()
+
+
+def _engine_group(members: int, via: str):
+    """(torch.distributed group, MPI communicator) of ranks 0..members-1; (None, COMM_WORLD) for everyone. The MPI
+    communicator is made only for via="mpi" (a collective of MPI.COMM_WORLD) and is None for the others."""
+    import torch.distributed as dist
+
+    from nbdist.collectives.algorithms import _group  # the one cache of rank groups (made once per size)
+
+    group = _group(members)
+    if via != "mpi":
+        return group, None
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if members == world.Get_size():
+        return group, world
+    inside = dist.get_rank() < members
+    comm = world.Split(0 if inside else MPI.UNDEFINED, world.Get_rank())
+    return group, comm if inside else None
+
+
+def _engine_time(bench: "_Collective", iters: int | None, warmup: int, check: bool, target_seconds: float) -> dict:
+    """This rank's report for one collective: checked (optional), warmed up, calibrated, timed."""
+    report = {"rank": bench.rank, "backend": bench.backend, "note": bench.note}
     try:  # a backend without this op says so on the first call, on every rank alike
         error = _engine_first_call(bench, check)
     except RuntimeError as e:
@@ -347,14 +394,15 @@ def _fill_values(count: int, rank: int, start: int = 0):
 class _Collective:
     """One op, one via, one size, on this rank: buffers, the call, its expected result (runs on an engine)."""
 
-    def __init__(self, op: str, via: str, size: int, n: int, rank: int):
+    def __init__(self, op: str, via: str, size: int, n: int, rank: int, group=None, comm=None):
         import torch
         import torch.distributed as dist
 
         self.op, self.via, self.n, self.rank = op, via, n, rank
+        self.group, self.comm = group, comm  # torch group (None: the default one), MPI communicator (via="mpi")
         self.count = size // ELEMENT_BYTES
         self.chunk = self.count // n
-        backend = dist.get_backend()
+        backend = dist.get_backend(group)
         cuda = via == "torch" and backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.backend = backend if via == "torch" else _mpi_library()
@@ -371,21 +419,21 @@ class _Collective:
     def _torch_call(self):
         import torch.distributed as dist
 
-        send, recv = self.send, self.recv
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        from nbdist.collectives.compat import all_gather_single, reduce_scatter_single
+
+        send, recv, group = self.send, self.recv, self.group
         return {
-            "all_reduce": lambda: dist.all_reduce(send),
-            "all_gather": lambda: all_gather(recv, send),
-            "reduce_scatter": lambda: reduce_scatter(recv, send),
-            "broadcast": lambda: dist.broadcast(send, src=ROOT),
-            "all_to_all": lambda: dist.all_to_all_single(recv, send),
+            "all_reduce": lambda: dist.all_reduce(send, group=group),
+            "all_gather": lambda: all_gather_single(recv, send, group=group),
+            "reduce_scatter": lambda: reduce_scatter_single(recv, send, group=group),
+            "broadcast": lambda: dist.broadcast(send, src=ROOT, group=group),  # ROOT = 0 is in every group here
+            "all_to_all": lambda: dist.all_to_all_single(recv, send, group=group),
         }[self.op]
 
     def _mpi_call(self):
         from mpi4py import MPI
 
-        comm = MPI.COMM_WORLD
+        comm = self.comm
         send, recv = self.send.numpy(), self.recv.numpy()  # views of the tensors' memory, not copies
         return {
             "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM),
@@ -402,11 +450,9 @@ class _Collective:
         if self.via == "torch":
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self.group)
         else:
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Barrier()
+            self.comm.Barrier()
         self._sync()
 
     def _sync(self) -> None:
@@ -431,9 +477,9 @@ class _Collective:
         import torch
         import torch.distributed as dist
 
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())
 
     # -- checking

@@ -42,11 +42,13 @@ def one_f_one_b(p: int, m: int, v: int) -> Program:
 
 
 def pipedream(p: int, m: int, v: int) -> Program:
-    """PipeDream (asynchronous 1F1B with weight stashing): over one step its order is exactly 1F1B's.
+    """PipeDream (arXiv 1806.03377; asynchronous 1F1B with weight stashing), one step at a time: 1F1B's order.
 
-    What differs is not the order but the weights: there is no flush, each stage updates its weights after every
-    backward, and a backward uses the weight version stashed at its own forward so its gradient is consistent.
-    The executor handles the stashing; the simulated timeline of one step equals 1F1B's.
+    What differs from 1F1B is not the order but the weights: each stage updates its weights after every
+    micro-batch's backward (not once per step), and a backward uses the weight version stashed at its own forward,
+    so its gradient is consistent. Each step still runs this order to its end, so it fills and drains like 1F1B;
+    PipeDream proper keeps the pipe full across mini-batches, which nbdist does not. The executor handles the
+    stashing; the simulated timeline of one step equals 1F1B's.
     """
     return one_f_one_b(p, m, v)
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
+from nbdist.collectives import costs
 from nbdist.collectives.sweep import format_bytes
 
 OP_COLOURS = {
@@ -21,10 +22,10 @@ OP_COLOURS = {
     "all_to_all": "#E45756",
 }
 VIA_DASH = {"torch": "solid", "mpi": "dash"}
-ALGORITHM_STYLES = {  # algorithm -> (legend label, colour, dash)
-    "ring": ("ring: 2(n-1)α + 2(n-1)/n·Sβ", "#4C78A8", "solid"),
-    "tree": ("binomial tree: 2·log2(n)·(α + Sβ)", "#F58518", "solid"),
-    "recursive-doubling": ("recursive doubling: log2(n)·(α + Sβ)", "#54A24B", "dot"),
+ALGORITHM_STYLES = {  # algorithm -> (colour, dash); the legend's formula comes from the one cost table
+    "ring": ("#4C78A8", "solid"),
+    "tree": ("#F58518", "solid"),
+    "recursive-doubling": ("#54A24B", "dot"),
 }
 
 
@@ -73,8 +74,8 @@ def alpha_beta_figure(fit, n: int, title: str | None = None) -> go.Figure:
     traces.append(go.Scatter(name=f"fit: α + βS (α {fit.alpha * 1e6:.3g} us, {fit.bandwidth / 1e9:.3g} GB/s)",
                              x=sizes, y=fit.predict(sizes), mode="lines",
                              line={"color": "#999999", "dash": "dash"}))
-    for algorithm, (label, colour, dash) in ALGORITHM_STYLES.items():
-        traces.append(go.Scatter(name=f"{label}, n={n}", x=sizes, y=fit.cost(algorithm, sizes, n), mode="lines",
+    for algorithm, (colour, dash) in ALGORITHM_STYLES.items():
+        traces.append(go.Scatter(name=costs.legend(algorithm, n), x=sizes, y=fit.cost(algorithm, sizes, n), mode="lines",
                                  line={"color": colour, "dash": dash}))
     fig = go.Figure(traces)
     crossover = fit.crossover(n)

@@ -1,0 +1,13 @@
+"""torch.distributed names that changed between the torch versions nbdist supports: one place picks what is there.
+
+torch 2.13 names the tensor forms of all-gather and reduce-scatter `all_gather_single` and `reduce_scatter_single`;
+older releases (nbdist supports torch >= 2.4, see pyproject.toml) have only `all_gather_into_tensor` and
+`reduce_scatter_tensor`. Both take (output, input, ...) in the same order, so code written against these two names
+runs on either. Runs on the engines (it imports torch.distributed).
+"""
+import torch.distributed as dist
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = ["all_gather_single", "reduce_scatter_single"]
