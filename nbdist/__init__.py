@@ -23,12 +23,14 @@ __all__ = [
     "DistError",
     "DistInterrupt",
     "DistUsageError",
+    "Mesh",
     "Pipeline",
     "Stepper",
     "current",
     "pipeline",
     "start",
     "stop",
+    "mesh",
     "load_ipython_extension",
 ]
 
@@ -40,6 +42,7 @@ _LAZY = {
     "stop": "nbdist.cluster",
     "Pipeline": "nbdist.pipeline_parallel.api",
     "Stepper": "nbdist.pipeline_parallel.api",
+    "Mesh": "nbdist.meshes",
 }
 
 
@@ -51,6 +54,13 @@ def pipeline(model, stages, schedule="1f1b", microbatches=8, chunks=1, balance=N
     from nbdist.pipeline_parallel.api import pipeline as make_pipeline
 
     return make_pipeline(model, stages, schedule, microbatches, chunks, balance, **options)
+
+
+def mesh(cluster=None, **dims: int):
+    """Lay named dimensions (e.g. dp=2, pp=2) over the running cluster's ranks; see nbdist.meshes.mesh."""
+    from nbdist.meshes import mesh as make_mesh
+
+    return make_mesh(cluster, **dims)
 
 
 def __getattr__(name: str):

@@ -7,33 +7,33 @@ from __future__ import annotations
 
 import atexit
 import html
+import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from nbdist import launch
+from nbdist.engine import boot, registry
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.options import ClusterOptions
 from nbdist.remote import SHOW_MODES, OutputRelay, Waiter
 
 _current: "Cluster | None" = None
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
-
-
-def _engine_info() -> dict:
-    from nbdist.engine.boot import info
-
-    return info()
+_generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
 
 
 @dataclass
 class Status:
-    """One row per rank; shows as a table in the notebook (HTML) and in a terminal (text)."""
+    """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
+    and in a terminal (text)."""
 
     rows: list[dict]
     startup_seconds: float | None = None
+    holdings: list[dict] = field(default_factory=list)  # rank, kind, name, bytes, what
 
     HEADER = ("rank", "host", "pid", "device", "backend", "memory")
+    HOLDINGS_HEADER = ("rank", "holds", "name", "tensors", "what")
 
     @staticmethod
     def _cells(row: dict) -> list[str]:
@@ -42,23 +42,30 @@ class Status:
             memory += f" (+{row['gpu_mib']:.0f} MiB GPU)"
         return [str(row["rank"]), row["host"], str(row["pid"]), row["device"], row["backend"], memory]
 
+    @staticmethod
+    def _holding_cells(row: dict) -> list[str]:
+        return [str(row["rank"]), row["kind"], row["name"], format_mib(row["bytes"]), row["what"]]
+
     def _footer(self) -> list[str]:
         if self.startup_seconds is None:
             return []
         return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
 
+    def _holdings_note(self) -> list[str]:
+        return [] if self.holdings else ["the ranks hold no nbdist objects (pipelines, meshes, groups)"]
+
     def __str__(self) -> str:
-        table = [list(self.HEADER)] + [self._cells(r) for r in self.rows]
-        widths = [max(len(cell) for cell in column) for column in zip(*table)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-        return "\n".join(lines + self._footer())
+        lines = _text_table(self.HEADER, [self._cells(r) for r in self.rows]) + self._footer()
+        if self.holdings:
+            lines += [""] + _text_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
+        return "\n".join(lines + self._holdings_note())
 
     def _repr_html_(self) -> str:
-        def tr(cells: list[str], tag: str) -> str:
-            return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
-
-        rows = tr(list(self.HEADER), "th") + "".join(tr(self._cells(r), "td") for r in self.rows)
-        return f"<table>{rows}</table>" + "".join(f"<p>{line}</p>" for line in self._footer())
+        out = _html_table(self.HEADER, [self._cells(r) for r in self.rows])
+        out += "".join(f"<p>{line}</p>" for line in self._footer())
+        if self.holdings:
+            out += _html_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
+        return out + "".join(f"<p>{html.escape(line)}</p>" for line in self._holdings_note())
 
     def __repr__(self) -> str:
         return str(self)
@@ -76,6 +83,7 @@ class Cluster:
         self._engine_of_rank: list[int] = []
         self._info: list[dict] = []
         self.startup_seconds: float | None = None
+        self.generation: int | None = None  # which start this is: objects made on older engines are stale
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -84,7 +92,7 @@ class Cluster:
         started = time.perf_counter()
         try:
             self._launched = launch.start(self.options)
-            infos = self._launched.client[self._launched.engine_ids].apply_sync(_engine_info)
+            infos = self._launched.client[self._launched.engine_ids].apply_sync(boot.info)
         except BaseException as e:
             self.stop()
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, DistInterrupt):
@@ -94,6 +102,7 @@ class Cluster:
         self._info = [info for info, _ in infos]
         self._engine_of_rank = [engine_id for _, engine_id in infos]
         self.startup_seconds = time.perf_counter() - started
+        self.generation = next(_generations)
         _running.add(self)
         return self
 
@@ -214,14 +223,45 @@ class Cluster:
                     publish_display_data(data)
 
     def status(self) -> Status:
-        """Rank, host, pid, device, backend and memory of every engine (freshly measured)."""
-        rows = self.run(_engine_info)
+        """Rank, host, pid, device, backend and memory of every engine (freshly measured), how long these engines
+        took to start, and what each rank holds (`holdings`)."""
+        rows = self.run(boot.info)
         self._info = rows
-        return Status(rows)
+        return Status(rows, self.startup_seconds, self.holdings())
+
+    def holdings(self) -> list[dict]:
+        """What every rank keeps between calls (pipelines, meshes, groups...: the engine registry), with the bytes
+        of tensors each holds: one row per (rank, object)."""
+        per_rank = self.run(registry.holdings)
+        return [{"rank": rank, **row} for rank, rows in enumerate(per_rank) for row in rows]
+
+    def check_fresh(self, generation: int | None, what: str) -> None:
+        """Refuse, in one line, an object made on engines that have since been restarted (they no longer hold it)."""
+        self._require_running()
+        if generation != self.generation:
+            raise DistUsageError(f"{what} was made before the engines were restarted, which cleared it from the "
+                                 f"ranks: make it again")
 
     def __repr__(self) -> str:
         state = f"{self.world_size} ranks" if self.running else "stopped"
         return f"<nbdist.Cluster {state}, backend={self._info[0]['backend'] if self._info else self.options.backend}>"
+
+
+def format_mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _text_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
+    table = [list(header)] + rows
+    widths = [max(len(cell) for cell in column) for column in zip(*table)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+
+
+def _html_table(header: Sequence[str], rows: list[list[str]]) -> str:
+    def tr(cells: Sequence[str], tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
+
+    return "<table>" + tr(header, "th") + "".join(tr(r, "td") for r in rows) + "</table>"
 
 
 def parse_rank_spec(spec: str, world_size: int) -> list[int]:
@@ -248,10 +288,10 @@ def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Clu
     global _current
     if "mpi_args" in options:
         options["mpi_args"] = tuple(options["mpi_args"])
-    try:
-        cluster = Cluster(ClusterOptions(n=n, **options))  # validates before anything else happens
-    except TypeError as e:
-        raise DistUsageError(f"unknown option: {e}") from None
+    unknown = sorted(set(options) - ClusterOptions.names())
+    if unknown:
+        raise DistUsageError(f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(sorted(ClusterOptions.names()))}")
+    cluster = Cluster(ClusterOptions(n=n, **options))  # validates every value before anything else happens
     if _current is not None and _current.running:
         if not restart:
             print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True replaces it)")

@@ -10,7 +10,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 import nbdist
-from nbdist import cluster as cluster_module
 from nbdist.errors import DistUsageError, show_errors_in_ipython
 
 
@@ -41,8 +40,6 @@ class DistMagics(Magics):
     def dist_start(self, line: str) -> None:
         """Start MPI engines with torch.distributed initialised on each."""
         args = parse_argstring(self.dist_start, line)
-        running = cluster_module._current
-        before = running if running is not None and running.running else None
         cluster = nbdist.start(
             args.n,
             restart=args.restart,
@@ -51,15 +48,12 @@ class DistMagics(Magics):
             timeout=args.timeout,
             mpi_args=tuple(shlex.split(args.mpi_args)),
         )
-        status = cluster.status()
-        if cluster is not before:
-            status.startup_seconds = cluster.startup_seconds
-        display(status)
+        display(cluster.status())
 
     @line_magic
     @_usage_errors
     def dist_status(self, line: str) -> None:
-        """Show rank, host, pid, device, backend and memory of every engine."""
+        """Show rank, host, pid, device, backend and memory of every engine, and what each rank holds."""
         display(nbdist.current().status())
 
     @line_magic
@@ -74,10 +68,7 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_restart(self, line: str) -> None:
         """Fresh engines and process group, e.g. after a hang."""
-        cluster = nbdist.current().restart()
-        status = cluster.status()
-        status.startup_seconds = cluster.startup_seconds
-        display(status)
+        display(nbdist.current().restart().status())
 
     @magic_arguments()
     @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3")

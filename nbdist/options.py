@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import psutil
 
+from nbdist.checks import one_of, positive_seconds, whole_number
 from nbdist.errors import DistUsageError
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -63,6 +64,11 @@ class ClusterOptions:
     mpi_args: tuple[str, ...] = field(default_factory=tuple)
     collective_timeout: float = 1800.0  # seconds a torch.distributed collective may wait
 
+    @classmethod
+    def names(cls) -> set[str]:
+        """The options `nbdist.start()` takes besides n."""
+        return {f.name for f in fields(cls)} - {"n"}
+
     def multi_host(self) -> bool:
         return any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
 
@@ -79,14 +85,14 @@ class ClusterOptions:
         """Fill in defaults from the hardware and check everything; raises DistUsageError naming the problem."""
         gpus = 0 if self.cpu else visible_gpus()
         n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise DistUsageError(f"-n must be a whole number of engines, got {n!r}")
-        if n < 1:
-            raise DistUsageError(f"-n must be at least 1, got {n}")
-        if self.backend not in BACKENDS:
-            raise DistUsageError(f"unknown backend {self.backend!r}: choose gloo or nccl")
-        if self.timeout <= 0 or self.collective_timeout <= 0:
-            raise DistUsageError("--timeout must be a positive number of seconds")
+        whole_number(n, "-n")
+        one_of(self.backend, BACKENDS, "backend")
+        positive_seconds(self.timeout, "--timeout")
+        positive_seconds(self.collective_timeout, "collective_timeout")
+        if not isinstance(self.cpu, bool):
+            raise DistUsageError(f"cpu must be True or False, got {self.cpu!r}")
+        if not all(isinstance(arg, str) for arg in self.mpi_args):
+            raise DistUsageError(f"mpi_args must be strings, got {self.mpi_args!r}")
         if self.backend == "nccl" and not self.multi_host():
             if gpus == 0:
                 raise DistUsageError("--backend nccl needs GPUs and none are visible here; use --backend gloo")

@@ -15,11 +15,24 @@ from nbdist.options import ClusterOptions, max_cpu_engines
         (dict(backend="mpi"), "unknown backend 'mpi'"),
         (dict(backend="nccl"), "--backend nccl needs GPUs"),
         (dict(timeout=0), "--timeout must be a positive"),
+        (dict(timeout="5"), "--timeout must be a number of seconds, got '5'"),
+        (dict(n=2.0), "-n must be a whole number, got 2.0"),
+        (dict(n=True), "-n must be a whole number, got True"),
+        (dict(cpu="yes"), "cpu must be True or False"),
     ],
 )
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(DistUsageError, match=message):
         ClusterOptions(**options).resolved()
+
+
+def test_start_names_an_unknown_option_and_a_wrongly_typed_one_differently():
+    import nbdist
+
+    with pytest.raises(DistUsageError, match=r"unknown option\(s\) timout: choose from"):
+        nbdist.start(timout=5)
+    with pytest.raises(DistUsageError, match="--timeout must be a number of seconds, got '5'"):
+        nbdist.start(timeout="5")
 
 
 def test_defaults_to_two_cpu_engines_without_gpus():

@@ -1,0 +1,36 @@
+"""Checks of user input shared by every feature: each failure is one DistUsageError line naming the argument."""
+from __future__ import annotations
+
+from typing import Any
+
+from nbdist.errors import DistUsageError
+
+
+def is_whole(value: Any) -> bool:
+    """A whole number given as an int (True and False are ints to Python, but never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def whole_number(value: Any, what: str, minimum: int = 1) -> int:
+    """`value` if it is a whole number >= minimum, else one line saying what `what` must be."""
+    if not is_whole(value):
+        raise DistUsageError(f"{what} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise DistUsageError(f"{what} must be at least {minimum}, got {value}")
+    return value
+
+
+def positive_seconds(value: Any, what: str) -> float:
+    """A positive number of seconds (int or float, not a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DistUsageError(f"{what} must be a number of seconds, got {value!r}")
+    if not value > 0:
+        raise DistUsageError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def one_of(value: Any, choices: tuple[str, ...] | list[str], what: str) -> str:
+    """`value` if it is one of `choices`, else one line listing them."""
+    if value not in choices:
+        raise DistUsageError(f"unknown {what} {value!r}: choose {', '.join(map(str, choices))}")
+    return value
