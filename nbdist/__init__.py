@@ -41,13 +41,14 @@ _LAZY = {
     "start": "nbdist.cluster",
     "stop": "nbdist.cluster",
     "Pipeline": "nbdist.pipeline_parallel.api",
-    "Stepper": "nbdist.pipeline_parallel.api",
+    "Stepper": "nbdist.pipeline_parallel.stepper",
     "Mesh": "nbdist.meshes",
 }
 
 
-def pipeline(model, stages, schedule="1f1b", microbatches=8, chunks=1, balance=None, **options):
-    """Split `model` across `stages` ranks and run pipeline `schedule` on them (see nbdist.pipeline_parallel.api).
+def pipeline(model, stages=None, schedule="1f1b", microbatches=8, chunks=1, balance=None, **options):
+    """Split `model` across `stages` ranks (or `mesh=`'s pp dimension, one pipeline per dp replica) and run
+    pipeline `schedule` on them (see nbdist.pipeline_parallel.api).
 
     Imported on first use, so that `import nbdist` stays light (the notebook kernel needs no torch to start).
     """

@@ -84,6 +84,7 @@ class Cluster:
         self._info: list[dict] = []
         self.startup_seconds: float | None = None
         self.generation: int | None = None  # which start this is: objects made on older engines are stale
+        self.meshes: dict[str, object] = {}  # the meshes built on these engines, by name (nbdist.meshes.mesh)
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -103,6 +104,7 @@ class Cluster:
         self._engine_of_rank = [engine_id for _, engine_id in infos]
         self.startup_seconds = time.perf_counter() - started
         self.generation = next(_generations)
+        self.meshes = {}
         _running.add(self)
         return self
 
@@ -113,6 +115,11 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return len(self._engine_of_rank)
+
+    @property
+    def devices(self) -> list[str]:
+        """Each rank's device ("cpu", "cuda:0", ...), as the engines reported it at start."""
+        return [row["device"] for row in self._info]
 
     def stop(self) -> None:
         """Stop every engine, the controller and mpiexec; nothing is left running."""

@@ -158,6 +158,8 @@ def mesh(cluster=None, **dims: int) -> Mesh:
     cluster = cluster or current()
     planned = layout(cluster.world_size, **dims)
     name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
-    built = Mesh(planned.dims, planned.world_size, name=name, generation=cluster.generation)
-    cluster.run(rank_mesh.build, built)
-    return built
+    if name not in cluster.meshes:  # building is collective over every rank: once per mesh and start
+        built = Mesh(planned.dims, planned.world_size, name=name, generation=cluster.generation)
+        cluster.run(rank_mesh.build, built)
+        cluster.meshes[name] = built
+    return cluster.meshes[name]

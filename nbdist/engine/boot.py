@@ -31,22 +31,21 @@ class RankInfo:
     boot_seconds: float
 
 
-INFO: RankInfo | None = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
+    """torch.distributed's key-value store for the rendezvous: rank 0 serves it on a port the OS picks while it
+    binds (no port chosen first and bound later, which another process may take in between), and everyone learns
+    that port over MPI."""
+    from torch.distributed import TCPStore
 
-
-def _rendezvous_address(comm, single_host: bool) -> str:
-    """Rank 0 picks its host and a free port; everyone learns it over MPI (no fixed port, no collisions)."""
-    address = None
+    store, address = None, None
     if comm.rank == 0:
         host = os.environ.get("NBDIST_MASTER_ADDR") or ("127.0.0.1" if single_host else socket.getfqdn())
-        address = f"tcp://{host}:{_free_port()}"
-    return comm.bcast(address, root=0)
+        store = TCPStore(host, 0, comm.size, True, timeout, wait_for_workers=False)
+        address = (host, store.port)
+    host, port = comm.bcast(address, root=0)
+    return store if store is not None else TCPStore(host, port, comm.size, False, timeout)
 
 
 def _choose_device(local_rank: int) -> str:
@@ -61,26 +60,29 @@ def _choose_device(local_rank: int) -> str:
 
 def boot() -> RankInfo:
     """Join the MPI world, bind a device and initialise torch.distributed. Idempotent."""
-    global INFO
-    if INFO is not None:
-        return INFO
+    from nbdist.engine import registry
+
+    booted = registry.find(registry.RANK, "boot")
+    if booted is not None:
+        return booted
     started = time.perf_counter()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this host: local rank = GPU index
     local_rank = node.rank
-    address = _rendezvous_address(comm, single_host=node.size == comm.size)
+    single_host = node.size == comm.size
     node.Free()
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
+    store = _rendezvous_store(comm, single_host, timeout)
     device = _choose_device(local_rank)
     backend = os.environ.get(BACKEND_ENV, "auto")
     if backend == "auto":
         backend = "nccl" if device.startswith("cuda") else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
-    dist.init_process_group(backend, init_method=address, rank=comm.rank, world_size=comm.size, timeout=timeout)
-    INFO = RankInfo(
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout)
+    return registry.put(registry.RANK, "boot", RankInfo(
         rank=comm.rank,
         world_size=comm.size,
         local_rank=local_rank,
@@ -89,8 +91,7 @@ def boot() -> RankInfo:
         device=device,
         backend=backend,
         boot_seconds=time.perf_counter() - started,
-    )
-    return INFO
+    ))
 
 
 def info() -> dict:

@@ -28,6 +28,7 @@ class RankMesh:
     rank: int
     device_mesh: Any  # torch.distributed.DeviceMesh
     comms: dict[str, Any] = field(default_factory=dict)  # dimension -> mpi4py communicator
+    everyone: Any = None  # an MPI communicator of all the mesh's ranks (a barrier across every replica)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -53,29 +54,31 @@ class RankMesh:
         return f"{' × '.join(f'{n}={s}' for n, s in self.mesh.dims)}; this rank at {coords}"
 
     def close(self) -> None:
-        for comm in self.comms.values():
-            comm.Free()
-        self.comms = {}
+        for comm in [*self.comms.values(), self.everyone]:
+            if comm is not None:
+                comm.Free()
+        self.comms, self.everyone = {}, None
 
 
 def build(mesh: Mesh) -> str | None:
-    """Make `mesh`'s groups and communicators (collective: every world rank calls this). Idempotent per name."""
+    """Make `mesh`'s groups and communicators (collective: every world rank calls this, once per mesh: the
+    notebook keeps track, nbdist.meshes.mesh; a rank outside the mesh keeps nothing of it)."""
     import torch
     from mpi4py import MPI
     from torch.distributed.device_mesh import DeviceMesh
 
     from nbdist.engine.boot import boot
 
-    if registry.find(KIND, mesh.name) is not None:
-        return mesh.name
     info = boot()
     device_type = "cuda" if info.device.startswith("cuda") else "cpu"
     ranks = torch.arange(mesh.size).view(*mesh.shape)
     device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=mesh.names)
     comms = {dim: _split(MPI.COMM_WORLD, mesh, dim) for dim in mesh.names}
-    if mesh.coords(info.rank) is None:
+    inside = mesh.coords(info.rank) is not None
+    everyone = MPI.COMM_WORLD.Split(0 if inside else MPI.UNDEFINED, info.rank)
+    if not inside:
         return None
-    registry.put(KIND, mesh.name, RankMesh(mesh, info.rank, device_mesh, comms))
+    registry.put(KIND, mesh.name, RankMesh(mesh, info.rank, device_mesh, comms, everyone))
     return mesh.name
 
 

@@ -26,6 +26,7 @@ class Entry:
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
+RANK = "rank"  # the rank's own start-up facts (engine/boot.py): kept here like the rest, not listed as a holding
 
 
 class Gone(RuntimeError):
@@ -75,6 +76,8 @@ def holdings() -> list[dict]:
     """One row per entry: kind, name, bytes of tensors held, a one-line description."""
     rows = []
     for entry in _ENTRIES.values():
+        if entry.kind == RANK:
+            continue
         memory = getattr(entry.value, "memory_bytes", None)
         describe = getattr(entry.value, "describe", None)
         rows.append({

@@ -1,15 +1,19 @@
-"""Pipeline and Stepper: the notebook-side face of pipeline parallelism.
+"""Pipeline: the notebook-side face of pipeline parallelism (the Stepper is in stepper.py).
 
     pipe = nbdist.pipeline(model, stages=4, schedule="1f1b", microbatches=8)
     loss = pipe.step(inputs, targets, torch.nn.functional.mse_loss)
     pipe.timeline.figure()                      # measured, per rank, per micro-batch
     stepper = pipe.stepper(inputs, targets, loss_fn)
-    stepper.next(); stepper.state()             # tick by tick
-    stepper.timeline; stepper.tick_timeline()   # the work so far (pauses between calls removed); on the tick axis
 
-`stages` is the number of pipeline ranks p (ranks 0..p-1 of the cluster); with `chunks` v each rank holds v model
-pieces, so the model is cut into p*v stages. The notebook kernel only cuts the model and infers message shapes
-on torch's "meta" device; all real compute happens on the engines.
+    m = nbdist.mesh(dp=2, pp=2)                 # data parallel x pipeline parallel on 4 ranks
+    pipe = nbdist.pipeline(model, mesh=m, schedule="1f1b", microbatches=4, optimizer=...)
+    pipe.step(x, y, loss_fn)                    # the global batch, split across the 2 replicas
+
+A pipeline runs on the `pp` dimension of a mesh, one pipeline per data-parallel replica (the `dp` dimension); its
+stages sit on the ranks of each pp group and each stage's gradients are averaged over its dp group before the
+optimizer steps. `stages=p` without a mesh is the mesh pp=p on ranks 0..p-1. With `chunks` v each rank holds v
+model pieces, so the model is cut into p*v stages. The notebook kernel only cuts the model and infers message shapes
+on torch's "meta" device; all real compute happens on the engines (nbdist/engine/pipeline.py).
 """
 from __future__ import annotations
 
@@ -21,106 +25,144 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nbdist.checks import one_of, whole_number
 from nbdist.cluster import Cluster, current
+from nbdist.engine import pipeline as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.pipeline_parallel import executor
+from nbdist.meshes import Mesh, mesh as build_mesh
+from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
-from nbdist.pipeline_parallel.stepping import (
-    TickState,
-    action_ticks,
-    state_at,
-    tick_timeline,
-    total_ticks,
-    work_timeline,
-)
+from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
 from nbdist.schedules.generators import build
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Timeline, measured_durations
 
-_ids = itertools.count()
+_numbers = itertools.count()
 LIVE_PUBLISH_SECONDS = 0.25  # how often ranks publish their spans while a live view watches (>= 2 updates/s)
 RECENT_STEPS = 5  # steps whose durations the ideal takes medians over (a cold first step is outvoted)
 
 
 def pipeline(
     model: nn.Sequential | Callable[[], nn.Sequential],
-    stages: int,
+    stages: int | None = None,
     schedule: str | Schedule = "1f1b",
     microbatches: int = 8,
     chunks: int = 1,
     balance: list[int] | None = None,
     *,
+    mesh: Mesh | None = None,
     cluster: Cluster | None = None,
     optimizer: Callable | None = None,
     lr: float = 0.01,
     transport: str = "auto",
 ) -> "Pipeline":
-    """Split `model` across `stages` ranks and prepare `schedule` (a name, or a Schedule you built or wrote).
+    """Split `model` across `stages` ranks (or a mesh's pp dimension) and prepare `schedule` (a name, or a
+    Schedule you built or wrote).
 
     model: an nn.Sequential, or a zero-argument function that builds it (each rank then builds its own part).
+    mesh: run one pipeline per data-parallel replica of the mesh (its pp size is the number of stages; dp, if
+    present, the number of replicas); the batch given to step() is split across the replicas.
     balance: layers per stage (p*v entries); None balances by parameter count.
     optimizer: e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`, built on each rank for its parameters and
     stepped after each `step()`. For "pipedream", each stage instead takes an SGD step of size `lr` after every
     micro-batch's backward, with the weights stashed at that micro-batch's forward.
     transport: "auto" (MPI for CPU tensors, torch.distributed on GPUs), "mpi" or "torch".
     """
-    return Pipeline(model, stages, schedule, microbatches, chunks, balance, cluster or current(), optimizer, lr,
-                    transport)
+    cluster = cluster or current()
+    mesh = _pipeline_mesh(cluster, mesh, stages)
+    return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport)
+
+
+def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None) -> Mesh:
+    """The mesh a pipeline runs on: the one given (checked), or pp=stages over the first ranks."""
+    if mesh is None:
+        if stages is None:
+            raise DistUsageError("give stages=p (ranks 0..p-1) or mesh=nbdist.mesh(dp=..., pp=...)")
+        whole_number(stages, "stages")
+        if stages > cluster.world_size:
+            raise DistUsageError(f"stages={stages} needs {stages} ranks but the cluster has {cluster.world_size}")
+        return build_mesh(cluster, pp=stages)
+    if not isinstance(mesh, Mesh):
+        raise DistUsageError(f"mesh must be made by nbdist.mesh(...), got {type(mesh).__name__}")
+    cluster.check_fresh(mesh.generation, f"mesh {mesh.name}")
+    if "pp" not in mesh.names:
+        raise DistUsageError(f"a pipeline runs along a mesh's pp dimension; {mesh.name} has none")
+    if stages is not None and stages != mesh.dim_size("pp"):
+        raise DistUsageError(f"stages={stages} but the mesh has pp={mesh.dim_size('pp')}: give one or the other")
+    other = [f"{n}={s}" for n, s in mesh.dims if n not in ("pp", "dp") and s > 1]
+    if other:
+        raise DistUsageError(f"a pipeline uses a mesh's pp and dp dimensions only; {', '.join(other)} is not "
+                             "supported yet (make that dimension 1)")
+    return mesh
 
 
 class Pipeline:
-    def __init__(self, model, stages, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport):
-        self.cluster = cluster
-        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-            raise DistUsageError(f"stages must be a positive whole number, got {stages!r}")
-        if stages > cluster.world_size:
-            raise DistUsageError(f"stages={stages} needs {stages} ranks but the cluster has {cluster.world_size}")
-        if isinstance(schedule, Schedule):
-            if schedule.ranks != stages:
-                raise DistUsageError(f"the schedule is for {schedule.ranks} ranks, not stages={stages}")
-            self.schedule = schedule
-        else:
-            self.schedule = build(schedule, stages, microbatches, chunks)
+    def __init__(self, model, mesh: Mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr,
+                 transport):
+        self.cluster, self.mesh = cluster, mesh
+        p = mesh.dim_size("pp")
+        self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
+        self.schedule = _schedule(schedule, p, microbatches, chunks)
+        if self.replicas > 1 and self.schedule.name == "pipedream":
+            raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "
+                                 "(dp > 1) would have to average each time: not supported; use a mesh without dp")
         self.meta_model = _meta_model(model)
         pieces = self.schedule.stages
         if pieces > len(self.meta_model):
             raise DistUsageError(
-                f"the model has {len(self.meta_model)} layers, fewer than stages × chunks = {pieces} pieces"
-            )
+                f"the model has {len(self.meta_model)} layers, fewer than stages × chunks = {pieces} pieces")
         self.balance = layer_counts(parameter_sizes(self.meta_model), pieces, balance)
         self.ranges = boundaries(self.balance)
         self.ticks = action_ticks(self.schedule)
-        self.number = next(_ids)
+        self.number = next(_numbers)
         self.id = f"pipe{self.number}"
-        self.ranks = list(range(stages))
+        self.pipelines = mesh.groups("pp")  # one list of ranks per replica, in pipeline-rank order
+        self.ranks = sorted(r for ranks in self.pipelines for r in ranks)
+        self.transport = self._transport(transport)
         self._shapes: dict = {}
         self.last_results: list[dict] = []
         self.recent: deque[Timeline] = deque(maxlen=RECENT_STEPS)  # measured (work) timelines of the last steps
         self.loss: float | None = None
         self.view = None  # a PipelineView, once widget() was called: steps then update it live
-        self._setup(model, optimizer, lr if self.schedule.name == "pipedream" else None, transport)
+        pipedream_lr = lr if self.schedule.name == "pipedream" else None
+        self.cluster.run_each(on_ranks.setup, {r: (self._spec(r, model, optimizer, pipedream_lr),) for r in self.ranks})
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
-    def _setup(self, model, optimizer, pipedream_lr, transport) -> None:
-        args = {}
-        for rank in self.ranks:
-            my_stages = self.schedule.stages_of(rank)
-            if isinstance(model, nn.Module):
-                modules = {s: nn.Sequential(*list(model)[slice(*self.ranges[s])]) for s in my_stages}
-            else:
-                modules = ("build", portable(model), {s: self.ranges[s] for s in my_stages})
-            args[rank] = (self.id, self.number, rank, self.schedule.ranks, self.schedule.actions[rank],
-                          self.ticks[rank], modules, self.schedule.stages, self.schedule.microbatches, transport,
-                          portable(optimizer), pipedream_lr)
-        self.cluster.run_each(executor.setup, args)
+    def _transport(self, transport: str) -> str:
+        """"auto" -> "mpi" when every rank of the pipeline computes on CPU, else "torch"; checked here, in one line,
+        rather than on every rank."""
+        one_of(transport, TRANSPORTS, "transport")
+        on_gpu = [r for r in self.ranks if not self.cluster.devices[r].startswith("cpu")]
+        if transport == "mpi" and on_gpu:
+            raise DistUsageError(f"transport='mpi' moves CPU tensors only, but rank {on_gpu[0]} computes on "
+                                 f"{self.cluster.devices[on_gpu[0]]}: use transport='torch' (or 'auto')")
+        if transport == "auto":
+            return "torch" if on_gpu else "mpi"
+        return transport
+
+    def _spec(self, rank: int, model, optimizer, pipedream_lr) -> StageSpec:
+        coords = self.mesh.coords(rank)
+        pipeline_rank = coords["pp"]
+        layers = {s: self.ranges[s] for s in self.schedule.stages_of(pipeline_rank)}
+        if isinstance(model, nn.Module):
+            model = {s: nn.Sequential(*list(model)[a:b]) for s, (a, b) in layers.items()}
+        else:
+            model = portable(model)
+        return StageSpec(
+            name=self.id, number=self.number, mesh=self.mesh.name, replicas=self.replicas,
+            pipeline_rank=pipeline_rank, pipeline_ranks=self.schedule.ranks,
+            program=tuple(self.schedule.actions[pipeline_rank]), ticks=tuple(self.ticks[pipeline_rank]),
+            stages=self.schedule.stages, microbatches=self.schedule.microbatches, layers=layers, model=model,
+            transport=self.transport, optimizer=portable(optimizer), pipedream_lr=pipedream_lr,
+        )
 
     def _message_shapes(self, inputs: torch.Tensor) -> dict:
         """stage -> (shape, dtype) of its output for one micro-batch, found on the meta device (no compute)."""
         key = (tuple(inputs.shape), inputs.dtype)
         if key not in self._shapes:
-            m = self.schedule.microbatches
-            x = torch.empty((inputs.shape[0] // m, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
+            per_microbatch = inputs.shape[0] // (self.replicas * self.schedule.microbatches)
+            x = torch.empty((per_microbatch, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
             shapes = {}
             with torch.no_grad():
                 for stage, (a, b) in enumerate(self.ranges):
@@ -131,28 +173,37 @@ class Pipeline:
         return self._shapes[key]
 
     def _check_batch(self, inputs, targets) -> None:
-        m = self.schedule.microbatches
+        parts = self.replicas * self.schedule.microbatches
+        split = f"{self.replicas} replicas × {self.schedule.microbatches}" if self.replicas > 1 else str(parts)
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor):
                 raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.shape[0] % m:
-                raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {m} equal micro-batches")
+            if t.shape[0] % parts:
+                raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
         if inputs.shape[0] != targets.shape[0]:
             raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
 
-    def _step_args(self, inputs, targets, loss_fn, *extra) -> dict:
-        """Each rank gets only what it needs: the first stage the inputs, the last stage the targets."""
+    # -- the interface a step's driver uses (step() here, the Stepper) ----------------------------------------------
+
+    def step_args(self, inputs, targets, loss_fn, *extra) -> dict:
+        """rank -> what it receives to begin a step: each replica its share of the global batch, and within it the
+        first stage the inputs, the last stage the targets (nothing else crosses the network)."""
+        self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
         self._check_batch(inputs, targets)
         shapes = self._message_shapes(inputs)
-        last_rank = self.schedule.rank_of(self.schedule.stages - 1)
+        inputs_of, targets_of = inputs.chunk(self.replicas), targets.chunk(self.replicas)
+        last = self.schedule.rank_of(self.schedule.stages - 1)
         loss_fn = portable(loss_fn)
-        return {
-            r: (self.id, shapes, inputs if r == 0 else None, targets if r == last_rank else None, loss_fn, *extra)
-            for r in self.ranks
-        }
+        args = {}
+        for replica, ranks in enumerate(self.pipelines):
+            for pipeline_rank, rank in enumerate(ranks):
+                x = inputs_of[replica] if pipeline_rank == 0 else None
+                y = targets_of[replica] if pipeline_rank == last else None
+                args[rank] = (self.id, shapes, x, y, loss_fn, *extra)
+        return args
 
-    def _live(self, reports_of=None, tick_state_of=None):
-        """(publish interval, progress callback) when a view is attached, else (None, None).
+    def live(self, reports_of=None, tick_state_of=None):
+        """(publish interval, progress callback) while a view is attached, else (None, None).
 
         The ranks publish their spans so far; `reports_of(published)` merges them with what earlier calls reported
         (a Stepper's), so the view draws the whole step's work timeline as it grows."""
@@ -163,32 +214,38 @@ class Pipeline:
             published = {d["rank"]: d for d in ar.data if isinstance(d, dict) and "spans" in d}
             if published:
                 reports = reports_of(published) if reports_of else published
-                self.view.refresh(self._work_timeline(reports, stepped=reports_of is not None), final=False,
+                self.view.refresh(self.measured_timeline(reports, stepped=reports_of is not None), final=False,
                                   tick_state=tick_state_of() if tick_state_of else None)
 
         return LIVE_PUBLISH_SECONDS, progress
 
-    def _work_timeline(self, reports: dict, stepped: bool) -> Timeline:
+    def measured_timeline(self, reports: dict, stepped: bool) -> Timeline:
+        """The step the ranks reported (rank -> report) as a Timeline; a stepped one without its pauses."""
         kind = "measured work, pauses between calls removed" if stepped else "measured"
-        return work_timeline(reports, name=f"{self.schedule.name} ({kind})")
+        pipelines = self.pipelines if self.replicas > 1 else ()
+        return work_timeline(reports, name=f"{self.schedule.name} ({kind})", pipelines=pipelines)
+
+    def record(self, results: list[dict], timeline: Timeline, tick_state=None) -> float:
+        """Keep a finished step (its reports and timeline) and return its loss: the mean over the replicas of the
+        mean over their micro-batches (equal shards, so the loss of the whole batch)."""
+        self.last_results = results
+        self.recent.append(timeline)
+        losses = [r["loss"] for r in results if r["loss"] is not None]
+        self.loss = sum(losses) / len(losses)
+        if self.view is not None:
+            self.view.refresh(timeline, final=True, tick_state=tick_state, throttle=tick_state is None)
+        return self.loss
 
     # -- running ------------------------------------------------------------------------------------------------
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, timeout: float | None = None):
-        """One training step (forward and backward of every micro-batch, then the optimizer if given) at full
-        speed; returns the loss of the whole batch, and keeps the measured timeline in `.timeline`."""
-        publish_every, progress = self._live()
-        args = self._step_args(inputs, targets, loss_fn, publish_every)
-        results = self.cluster.run_each(executor.step, args, timeout=timeout, progress=progress)
-        return self._record(results, self._work_timeline({r["rank"]: r for r in results}, stepped=False))
-
-    def _record(self, results: list[dict], timeline: Timeline, tick_state=None) -> float:
-        self.last_results = results
-        self.recent.append(timeline)
-        self.loss = next(r["loss"] for r in results if r["loss"] is not None)
-        if self.view is not None:
-            self.view.refresh(timeline, final=True, tick_state=tick_state, throttle=tick_state is None)
-        return self.loss
+        """One training step (forward and backward of every micro-batch on every replica, gradients averaged over
+        the replicas, then the optimizer if given) at full speed; returns the loss of the whole batch, and keeps
+        the measured timeline in `.timeline`."""
+        publish_every, progress = self.live()
+        args = self.step_args(inputs, targets, loss_fn, publish_every)
+        results = self.cluster.run_each(on_ranks.step, args, timeout=timeout, progress=progress)
+        return self.record(results, self.measured_timeline({r["rank"]: r for r in results}, stepped=False))
 
     def widget(self):
         """A live view (measured Gantt, the ideal beneath, busy/idle, bubble); later steps update it as they run."""
@@ -216,7 +273,7 @@ class Pipeline:
         Durations are medians per stage and kind over the micro-batches of the last few steps (`RECENT_STEPS`,
         see schedules.simulate.measured_durations), so one cold action does not stretch the ideal. `current`: a
         step in progress (a Stepper's), counted with the steps before it."""
-        durations = measured_durations(self._duration_sources(current), self.schedule.stages, self.schedule.chunks)
+        durations = measured_durations(self.duration_sources(current), self.schedule.stages, self.schedule.chunks)
         if durations is None:
             raise DistUsageError("no step has a complete forward and backward to measure yet")
         ideal = self.schedule.simulate(**durations)
@@ -224,7 +281,7 @@ class Pipeline:
         ideal.name = f"{self.schedule.name} (ideal)"
         return ideal
 
-    def _duration_sources(self, current: Timeline | None) -> list[Timeline]:
+    def duration_sources(self, current: Timeline | None = None) -> list[Timeline]:
         """The timelines the ideal's medians are taken over: the recent steps, and a step in progress."""
         recent = list(self.recent)
         if current is not None and current is not (recent[-1] if recent else None) and any(current.spans.values()):
@@ -232,13 +289,18 @@ class Pipeline:
             recent.append(current)
         return recent
 
-    def stepper(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> "Stepper":
+    def stepper(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable):
+        """Run the next step tick by tick (see pipeline_parallel/stepper.py)."""
+        from nbdist.pipeline_parallel.stepper import Stepper
+
         return Stepper(self, inputs, targets, loss_fn)
 
     # -- gathering ----------------------------------------------------------------------------------------------
 
     def _gather(self, grads: bool) -> dict:
-        per_rank = self.cluster.run(executor.parameters, self.id, grads, ranks=self.ranks)
+        """The replicas hold equal copies (the gradients averaged, the same optimizer step): read replica 0's."""
+        self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
+        per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=self.pipelines[0])
         out = {
             unsplit_key(self.ranges[stage][0], key): value
             for stage_tensors in per_rank
@@ -252,104 +314,26 @@ class Pipeline:
         return self._gather(grads=False)
 
     def grads(self) -> dict:
-        """Every parameter's gradient after the last step, under the unsplit model's keys."""
+        """Every parameter's gradient after the last step (averaged over the replicas), under the unsplit keys."""
         return self._gather(grads=True)
 
     def close(self) -> None:
         """Free the stage modules on the engines."""
-        if self.cluster.running:
-            self.cluster.run(executor.close, self.id, ranks=self.ranks)
+        if self.cluster.running and self.cluster.generation == self.mesh.generation:
+            self.cluster.run(on_ranks.close, self.id, ranks=self.ranks)
 
     def __repr__(self) -> str:
-        return (f"<Pipeline {self.schedule.name}: {self.schedule.ranks} ranks × {self.schedule.chunks} chunk(s), "
-                f"{self.schedule.microbatches} micro-batches, layers per stage {self.balance}>")
+        replicas = f" × {self.replicas} replicas (dp)" if self.replicas > 1 else ""
+        return (f"<Pipeline {self.schedule.name}: {self.schedule.ranks} ranks × {self.schedule.chunks} chunk(s)"
+                f"{replicas}, {self.schedule.microbatches} micro-batches, layers per stage {self.balance}>")
 
 
-class Stepper:
-    """Runs one step of a pipeline tick by tick on the real ranks; `.state()` says where everything is.
-
-    `.timeline` is the work done so far in seconds, with the pauses between calls (a person reading between two
-    clicks) taken out; `.tick_timeline()` puts every action at its tick instead."""
-
-    def __init__(self, pipe: Pipeline, inputs, targets, loss_fn):
-        self.pipe = pipe
-        self._batch = (inputs, targets, loss_fn)
-        self.total_ticks = total_ticks(pipe.ticks)
-        self.view = None
-        self._begin()
-
-    def _begin(self) -> None:
-        self.tick = 0
-        self.loss: float | None = None
-        self._reports: dict[int, dict] = {}
-        self.pipe.cluster.run_each(executor.begin, self.pipe._step_args(*self._batch))
-
-    @property
-    def done(self) -> bool:
-        return self.tick >= self.total_ticks
-
-    def next(self, k: int = 1) -> TickState:
-        """Run the next k ticks on all ranks, then stop there."""
-        if self.done:
-            raise DistUsageError("the step is complete: make a new stepper for the next step (or reset())")
-        target = min(self.tick + k, self.total_ticks)
-        publish_every, progress = self._live(target)
-        # every rank, also one whose list is done: each call starts with a barrier of the pipeline's ranks
-        args = {r: (self.pipe.id, target, publish_every) for r in self.pipe.ranks}
-        for report in self.pipe.cluster.run_each(executor.advance, args, progress=progress):
-            self._reports[report["rank"]] = report
-        self.tick = target
-        if self.done:
-            reports = [self._reports[r] for r in sorted(self._reports)]
-            self.loss = self.pipe._record(reports, self.timeline, self.state())
-        elif self.view is not None:
-            self.view.refresh(self.timeline, final=True, tick_state=self.state())
-        return self.state()
-
-    def _live(self, target: int):
-        """Live updates only for runs of more than a few ticks (a single tick is drawn when it returns)."""
-        if self.view is None or target - self.tick <= 1:
-            return None, None
-        return self.pipe._live(lambda published: {**self._reports, **published}, self.state)
-
-    def run(self) -> float:
-        """Run to the end of the step; returns the loss."""
-        if not self.done:
-            self.next(self.total_ticks - self.tick)
-        return self.loss
-
-    def reset(self) -> None:
-        """Start the step again from tick 0 (a step half-done is first completed, so no message is left over)."""
-        if not self.done:
-            self.next(self.total_ticks - self.tick)
-        self._begin()
-        if self.view is not None:
-            self.view.refresh(self.timeline, final=True, tick_state=self.state())
-
-    def state(self) -> TickState:
-        return state_at(self.pipe.schedule, self.pipe.ticks, self.tick)
-
-    def spans(self) -> dict:
-        """rank -> spans measured so far in this step, as the ranks timed them (pauses between calls included)."""
-        return {rank: report["spans"] for rank, report in self._reports.items()}
-
-    @property
-    def timeline(self) -> Timeline:
-        """The work measured so far in this step (seconds), the pauses between calls taken out (see `.cuts`)."""
-        reports = self._reports or {r: {} for r in self.pipe.ranks}
-        return self.pipe._work_timeline(reports, stepped=True)
-
-    def tick_timeline(self, upto: int | None = None) -> Timeline:
-        """Every action of the step at its tick, up to the current tick (`upto=None`), or to `upto`."""
-        return tick_timeline(self.pipe.schedule, self.pipe.ticks, self.tick if upto is None else upto)
-
-    def widget(self):
-        """Step / Run / Reset buttons over the live view; the measured Gantt grows tick by tick."""
-        from nbdist.widgets.pipeline_view import PipelineView
-
-        self.view = self.pipe.view = PipelineView(self.pipe, stepper=self)
-        self.view.refresh(self.timeline, final=True, tick_state=self.state())
-        return self.view
+def _schedule(schedule: str | Schedule, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.ranks != ranks:
+            raise DistUsageError(f"the schedule is for {schedule.ranks} ranks, not {ranks} pipeline stages")
+        return schedule
+    return build(schedule, ranks, microbatches, chunks)
 
 
 def portable(fn: Callable | None) -> bytes | None:

@@ -84,11 +84,11 @@ def tick_timeline(schedule, ticks: dict[int, list[int]], upto: int | None = None
     return Timeline(spans, unit="tick", name=name or f"{schedule.name} (ticks)")
 
 
-def work_timeline(reports: Mapping[int, Mapping], name: str = "") -> Timeline:
+def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=()) -> Timeline:
     """The measured timeline of a step with the pauses between calls taken out.
 
     reports: rank -> {"spans": [(action, start, end, wait, call), ...], "calls": [start of call 0, call 1, ...]},
-    as the ranks report them (executor.advance): every call starts with a barrier of the pipeline's ranks, and
+    as the ranks report them (nbdist/engine/pipeline.advance): every call starts with a barrier of the ranks, and
     "calls" holds when each rank left it. Call k is shifted left so that it starts where the work of the calls
     before it ended; the time removed is kept in the timeline's `cuts`. Within a call nothing is moved, so the
     idle time the schedule (or the tick lockstep) causes stays. A full-speed step is one call: nothing is cut.
@@ -112,4 +112,4 @@ def work_timeline(reports: Mapping[int, Mapping], name: str = "") -> Timeline:
         for rank, (action, start, end, wait, *_) in items:
             rows[rank].append((action, start - shift, end - shift, wait))
         work_end = max([end - shift for _, (_, _, end, *_) in items] + ([work_end] if work_end is not None else []))
-    return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts)
+    return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts, pipelines=pipelines)

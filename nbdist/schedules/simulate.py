@@ -171,16 +171,19 @@ class Timeline:
     `cuts` are the pauses taken out of a measured step that was stepped: (where on this axis, seconds removed).
     Stepping waits for a person between calls; that time is no rank's work, so the work timeline closes the gap
     and remembers where, so a chart can say so.
+    `pipelines`: the ranks of each pipeline when several run side by side (data parallelism), each list in
+    pipeline-rank order; empty means one pipeline of all the ranks.
     """
 
     spans: dict[int, list[Span]]
     unit: str = "s"
     name: str = ""
     cuts: list[tuple[float, float]] = field(default_factory=list)
+    pipelines: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def from_spans(cls, spans: Mapping[int, Iterable[Any]], unit: str = "s", name: str = "",
-                   cuts: Iterable[tuple[float, float]] = ()) -> Timeline:
+                   cuts: Iterable[tuple[float, float]] = (), pipelines: Iterable[Iterable[int]] = ()) -> Timeline:
         """A timeline from per-rank spans: (action, start, end[, wait]) tuples or objects with those attributes.
 
         Actions may be strings ('0F3') or Actions. Times are shifted so the earliest start is 0, because a measured
@@ -193,7 +196,8 @@ class Timeline:
             rank: [Span(s.action, s.start - origin, s.end - origin, s.wait) for s in row]
             for rank, row in sorted(rows.items())
         }
-        return cls(shifted, unit=unit, name=name, cuts=[(at - origin, removed) for at, removed in cuts])
+        return cls(shifted, unit=unit, name=name, cuts=[(at - origin, removed) for at, removed in cuts],
+                   pipelines=[list(p) for p in pipelines])
 
     @property
     def paused(self) -> float:

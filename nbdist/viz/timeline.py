@@ -39,11 +39,12 @@ def timeline_figure(timeline, title: str | None = None, highlight_time: float | 
     """
     axis = _Axis.of(timeline)
     rows = {kind: _empty_row() for kind in STYLES}
-    where = _where_actions_ran(timeline)
+    peers = _peers_by_rank(timeline)
     smallest = SMALLEST_SHOWN * timeline.makespan
     for rank, spans in timeline.spans.items():
-        for kind, start, end, hover, text in _bars(rank, spans, timeline, where, smallest, axis):
-            _add(rows[kind], rank, axis.scale * start, axis.scale * (end - start), hover, text)
+        for kind, start, end, hover, text in _bars(rank, spans, timeline, peers[rank], smallest, axis):
+            _add(rows[kind], _rank_label(timeline, rank), axis.scale * start, axis.scale * (end - start), hover,
+                 text)
     fig = go.Figure([_trace(kind, row) for kind, row in rows.items() if row["x"]])
     _layout(fig, timeline, axis, title, subtitle)
     for at, _ in timeline.cuts:
@@ -94,17 +95,28 @@ def makespan_text(timeline) -> str:
 # -- bars ------------------------------------------------------------------------------------------------------
 
 
-def _where_actions_ran(timeline) -> dict:
-    """action -> rank, from the timeline itself (so a message's sender is named by the rank that sent it)."""
-    return {span.action: rank for rank, spans in timeline.spans.items() for span in spans}
+@dataclass(frozen=True)
+class _Peers:
+    """Who ran which action in one pipeline (several pipelines run the same actions under data parallelism), so a
+    message's sender is named by the rank that sent it, or, before it ran, by where the schedule places it."""
+
+    ran: dict
+    ranks: tuple[int, ...]  # the pipeline's ranks in pipeline-rank order
+
+    def rank_of(self, action) -> int:
+        peer = action.matching()
+        return self.ran.get(peer, self.ranks[peer.stage % len(self.ranks)])
 
 
-def _peer_rank(action, where: dict, ranks: int) -> int:
-    peer = action.matching()
-    return where.get(peer, peer.stage % max(ranks, 1))
+def _peers_by_rank(timeline) -> dict[int, _Peers]:
+    out = {}
+    for ranks in timeline.pipelines or [sorted(timeline.spans)]:
+        ran = {span.action: rank for rank in ranks for span in timeline.spans.get(rank, [])}
+        out.update({rank: _Peers(ran, tuple(ranks)) for rank in ranks})
+    return out
 
 
-def _bars(rank: int, spans, timeline, where: dict, smallest: float, axis: _Axis):
+def _bars(rank: int, spans, timeline, peers: _Peers, smallest: float, axis: _Axis):
     """(kind, start, end, hover, text) of one rank's bars: its idle stretches, compute, sends and receives."""
     cursor = timeline.start
     who = f"rank {rank}"
@@ -112,7 +124,7 @@ def _bars(rank: int, spans, timeline, where: dict, smallest: float, axis: _Axis)
         idle_end = span.start + span.wait
         gap = idle_end - cursor
         if gap > 0 and (gap > smallest or span.wait > 0):
-            kind, reason = _idle_reason(span, where, timeline.ranks)
+            kind, reason = _idle_reason(span, peers)
             if kind == IDLE and any(cursor < at <= idle_end for at, _ in timeline.cuts):
                 reason = "waiting for the other ranks to end the call (stepping stops every rank at a tick)"
             length = axis.length(gap)
@@ -122,7 +134,7 @@ def _bars(rank: int, spans, timeline, where: dict, smallest: float, axis: _Axis)
             text = str(span.action.microbatch)
             yield span.action.kind, idle_end, span.end, _hover(who, span, axis, work), text
         elif work > smallest and work > 0:
-            peer = f" (rank {_peer_rank(span.action, where, timeline.ranks)})"
+            peer = f" (rank {peers.rank_of(span.action)})"
             yield COMM, idle_end, span.end, _hover(who, span, axis, work, peer), ""
         cursor = max(cursor, span.end)
     if spans and timeline.end - cursor > smallest:
@@ -131,11 +143,11 @@ def _bars(rank: int, spans, timeline, where: dict, smallest: float, axis: _Axis)
         yield IDLE, cursor, timeline.end, hover, ""
 
 
-def _idle_reason(span, where: dict, ranks: int) -> tuple[str, str]:
+def _idle_reason(span, peers: _Peers) -> tuple[str, str]:
     """Why a rank idles before `span`: the message a receive waits for, or the action it has not started."""
     action = span.action
     if action.kind in (RECV_F, RECV_B):
-        sender = _peer_rank(action, where, ranks)
+        sender = peers.rank_of(action)
         return WAIT, f"waiting for {action.message} from rank {sender} ({action.matching()})"
     if span.wait > 0:
         return WAIT, f"waiting for a message before {action} ({action.describe()})"
@@ -152,10 +164,10 @@ def _empty_row() -> dict[str, list]:
     return {"x": [], "base": [], "y": [], "text": [], "hover": []}
 
 
-def _add(row: dict[str, list], rank: int, base: float, width: float, hover: str, text: str) -> None:
+def _add(row: dict[str, list], label: str, base: float, width: float, hover: str, text: str) -> None:
     row["x"].append(width)
     row["base"].append(base)
-    row["y"].append(_rank_label(rank))
+    row["y"].append(label)
     row["text"].append(text)
     row["hover"].append(hover)
 
@@ -180,7 +192,11 @@ def _trace(kind: str, row: dict[str, list]) -> go.Bar:
     )
 
 
-def _rank_label(rank: int) -> str:
+def _rank_label(timeline, rank: int) -> str:
+    """'rank 2', or with several pipelines (data parallelism) 'rank 2 (replica 1)'."""
+    if len(timeline.pipelines) > 1:
+        replica = next(i for i, ranks in enumerate(timeline.pipelines) if rank in ranks)
+        return f"rank {rank} (replica {replica})"
     return f"rank {rank}"
 
 
@@ -191,7 +207,7 @@ def _layout(fig: go.Figure, timeline, axis: _Axis, title: str | None, subtitle: 
     notes = [subtitle] if subtitle else []
     if timeline.cuts:
         notes.append(f"pauses between clicks removed: {timeline.paused:.1f} s (dotted lines)")
-    ranks = [_rank_label(r) for r in sorted(timeline.spans)]
+    ranks = [_rank_label(timeline, r) for r in sorted(timeline.spans)]
     x_end = timeline.end if timeline.spans and timeline.makespan > 0 else 1.0
     fig.update_layout(
         title={"text": title, "subtitle": {"text": " · ".join(notes)}, "yref": "container", "y": 1.0,

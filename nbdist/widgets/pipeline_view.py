@@ -87,7 +87,7 @@ class PipelineView:
     def _draw(self) -> None:
         timeline, tick_state = self._pending
         self._last_draw = time.monotonic()
-        measured = timeline if timeline is not None else Timeline({r: [] for r in self.pipe.ranks}, name="measured")
+        measured = timeline if timeline is not None else self._nothing_yet()
         ideal, basis = self._ideal(measured, tick_state)
         self._figures = (
             self._measured_figure(measured, tick_state),
@@ -100,6 +100,10 @@ class PipelineView:
         self.stats.value = HIDE_STATIC_COPY + self._stats
         for button in self._buttons:
             button.disabled = self.stepper is not None and self.stepper.done
+
+    def _nothing_yet(self) -> Timeline:
+        pipelines = self.pipe.pipelines if self.pipe.replicas > 1 else []
+        return Timeline({r: [] for r in self.pipe.ranks}, name="measured", pipelines=pipelines)
 
     def _measured_figure(self, measured: Timeline, tick_state):
         where = f"tick {tick_state.tick} of {tick_state.total_ticks}, " if tick_state is not None else ""
@@ -120,7 +124,7 @@ class PipelineView:
     def _ideal(self, measured: Timeline, tick_state) -> tuple[Timeline, str]:
         """The schedule simulated with median measured durations; F = 1, B = 2 until something was measured."""
         in_progress = measured if any(measured.spans.values()) else None
-        sources = self.pipe._duration_sources(in_progress)
+        sources = self.pipe.duration_sources(in_progress)
         schedule = self.pipe.schedule
         durations = measured_durations(sources, schedule.stages, schedule.chunks) if sources else None
         if durations is None:
@@ -205,14 +209,17 @@ def stats_html(measured: Timeline, ideal: Timeline, tick_state) -> str:
 
 
 def _rank_rows(measured: Timeline, ideal: Timeline, tick_state) -> list[str]:
+    """One row per measured rank; the activations it holds and the ideal's peak are its pipeline rank's (with data
+    parallelism every replica's pipeline rank r runs the same actions)."""
     busy = measured.busy_fraction if measured.makespan > 0 else {}
+    pipeline_rank = {rank: i for ranks in measured.pipelines for i, rank in enumerate(ranks)}
     rows = []
-    for rank in sorted(ideal.spans):
-        share = busy.get(rank)
-        held = tick_state.activations.get(rank) if tick_state is not None else None
+    for rank in sorted(measured.spans) or sorted(ideal.spans):
+        share, p = busy.get(rank), pipeline_rank.get(rank, rank)
+        held = tick_state.activations.get(p) if tick_state is not None else None
         rows.append(
             f"<tr><td>rank {rank}</td><td>{_pct(share, 0)}</td><td>{_pct(None if share is None else 1 - share, 0)}"
-            f"</td><td>{'' if held is None else held}</td><td>{ideal.peak_activations.get(rank, '')}</td></tr>"
+            f"</td><td>{'' if held is None else held}</td><td>{ideal.peak_activations.get(p, '')}</td></tr>"
         )
     return rows
 

@@ -1,10 +1,13 @@
-"""Point-to-point messages between pipeline stages (runs on the engines).
+"""Point-to-point messages between pipeline stages (this code runs ON the engines).
 
 Two transports with one interface, `isend(tensor, peer, tag)` / `irecv(tensor, peer, tag)` returning a handle
-with `.wait()`:
-- MPI (mpi4py) for CPU tensors: the engines already form an MPI world, and MPICH's shared memory moves a 4 KiB
-  activation in about half the time gloo needs over TCP loopback. The tensor's own memory is sent (no copy).
-- torch.distributed for GPU tensors (nccl) or when asked (gloo), as torch's own pipelining does.
+with `.wait()`, where `peer` is a rank of the pipeline (its coordinate along the mesh's pp dimension), not a rank
+of the world: with data parallelism several pipelines run side by side, each on its own ranks.
+- MPI (mpi4py) for CPU tensors, over the mesh's pp communicator: the engines already form an MPI world, and
+  MPICH's shared memory moves a 4 KiB activation in about half the time gloo needs over TCP loopback. The
+  tensor's own memory is sent (no copy).
+- torch.distributed for GPU tensors (nccl) or when asked (gloo), over the mesh's pp process group, as torch's own
+  pipelining does.
 Tags keep messages apart, so receives can be posted early, in any order.
 """
 from __future__ import annotations
@@ -19,11 +22,14 @@ class TorchTransport:
     name = "torch"
     max_tag = 2**31 - 1
 
+    def __init__(self, group, world_ranks: list[int]):
+        self.group, self.world_ranks = group, world_ranks  # world_ranks[p]: the world rank of pipeline rank p
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.isend(tensor, peer, tag=tag)
+        return dist.isend(tensor.contiguous(), self.world_ranks[peer], group=self.group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.irecv(tensor, peer, tag=tag)
+        return dist.irecv(tensor, self.world_ranks[peer], group=self.group, tag=tag)
 
 
 class _MpiRequest:
@@ -52,11 +58,11 @@ class _MpiRequest:
 class MpiTransport:
     name = "mpi"
 
-    def __init__(self):
+    def __init__(self, comm):
         from mpi4py import MPI
 
-        self.comm = MPI.COMM_WORLD
-        self.max_tag = self.comm.Get_attr(MPI.TAG_UB)
+        self.comm = comm  # the pipeline's communicator: its rank p is pipeline rank p
+        self.max_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         tensor = tensor.contiguous()
@@ -66,14 +72,10 @@ class MpiTransport:
         return _MpiRequest(self.comm.Irecv(tensor.numpy(), source=peer, tag=tag), tensor)
 
 
-def make_transport(name: str, device: torch.device):
-    """'auto': MPI for CPU tensors, torch.distributed otherwise."""
-    if name == "auto":
-        name = "mpi" if device.type == "cpu" else "torch"
+def make_transport(name: str, mesh, device: torch.device):
+    """The transport `name` ("mpi" or "torch", chosen in the notebook) over `mesh`'s pp dimension (a RankMesh)."""
     if name == "mpi":
         if device.type != "cpu":
             raise ValueError("the MPI transport moves CPU tensors only; use transport='torch' on GPUs")
-        return MpiTransport()
-    if name == "torch":
-        return TorchTransport()
-    raise ValueError(f"unknown transport {name!r}: choose auto, mpi or torch")
+        return MpiTransport(mesh.comm("pp"))
+    return TorchTransport(mesh.group("pp"), mesh.ranks("pp"))

@@ -1,0 +1,173 @@
+"""A pipeline's entry points on the ranks (this code runs ON the engines): what the notebook's Pipeline calls.
+
+`setup(spec)` builds this rank's executor from its StageSpec and keeps it in the engine registry under the
+pipeline's name; `begin` / `advance` / `step` run a step (whole, or tick by tick for a Stepper); `parameters`
+gathers weights or gradients; `close` frees it all. Every call of a step starts with a barrier of all the ranks
+of the pipeline's mesh (every replica), and reports when this rank left it: the notebook lines the ranks up by
+that and takes the pauses between a Stepper's calls out of the timeline (pipeline_parallel/stepping.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from nbdist.engine import rank_mesh, registry
+from nbdist.engine.executor import StageExecutor
+from nbdist.engine.transport import make_transport
+from nbdist.pipeline_parallel.spec import StageSpec
+
+KIND = "pipeline"
+WAKE_SECONDS = 0.005  # a stepping call first keeps its core busy this long: see _wake
+
+
+def setup(spec: StageSpec) -> str:
+    """Build this rank's executor. With a model function, this rank builds the model itself and keeps only its
+    layers (nothing large crosses the network)."""
+    from nbdist.engine.boot import boot
+
+    device = torch.device(boot().device)
+    mesh = rank_mesh.here(spec.mesh)
+    average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
+    _warm_up()
+    executor = StageExecutor(spec, _modules(spec), device, make_transport(spec.transport, mesh, device), average,
+                             _restore(spec.optimizer))
+    registry.put(KIND, spec.name, executor)
+    return device.type
+
+
+def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:
+    registry.get(KIND, name).begin(shapes, inputs, targets, _restore(loss_fn))
+
+
+def advance(name: str, until_tick: int | None, publish_every: float | None = None) -> dict:
+    """Run to the tick boundary (None: to the end); report the spans so far and, once the rank's list is done,
+    finish the step (gradients averaged over the replicas, optimizer).
+
+    Every call, on every rank of the mesh (also one whose list is done), starts with a barrier: the notebook's
+    requests reach the ranks one after another, and without it that skew would count as bubble. (It costs tens of
+    microseconds on one host.) Stepping (until_tick given), the other ranks may post the receives of our last sends
+    only at a later tick, so we do not wait for those sends here: `pause` keeps them moving.
+    """
+    from nbdist.engine.boot import boot
+
+    executor = registry.get(KIND, name)
+    state = executor.state
+    executor.stop_draining()
+    stepping = until_tick is not None
+    if stepping:
+        _wake(WAKE_SECONDS)
+    rank_mesh.here(executor.spec.mesh).everyone.Barrier()
+    state.calls.append(time.perf_counter())
+    rank = boot().rank
+    if state.report is None:
+        executor.advance(until_tick, _publisher(rank, publish_every))
+    if stepping:
+        executor.pause()
+    if executor.done:
+        if state.report is None:
+            state.report = {**executor.finish(wait_for_sends=not stepping), "rank": rank, "done": True}
+        return {**state.report, "calls": list(state.calls)}
+    spans = [s.as_tuple() for s in state.spans]
+    return {"rank": rank, "loss": None, "spans": spans, "calls": list(state.calls), "done": False}
+
+
+def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
+    """A whole step at full speed: one call, so one barrier before the first action and none between ticks."""
+    begin(name, shapes, inputs, targets, loss_fn)
+    return advance(name, None, publish_every)
+
+
+def parameters(name: str, grads: bool) -> dict:
+    """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU."""
+    out = {}
+    for stage, module in registry.get(KIND, name).modules.items():
+        if grads:
+            out[stage] = {k: None if p.grad is None else p.grad.detach().cpu() for k, p in module.named_parameters()}
+        else:
+            out[stage] = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    return out
+
+
+def close(name: str) -> None:
+    registry.drop(KIND, name)
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _restore(payload):
+    """Undo the notebook's cloudpickling (pipeline_parallel/api.portable): bytes back to the user's function."""
+    import cloudpickle
+
+    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+
+
+def _modules(spec: StageSpec) -> dict[int, nn.Module]:
+    if isinstance(spec.model, bytes):
+        layers = list(_restore(spec.model)())
+        return {stage: nn.Sequential(*layers[a:b]) for stage, (a, b) in spec.layers.items()}
+    return dict(spec.model)
+
+
+def _dp_average(mesh, replicas: int, transport: str):
+    """A function averaging a list of gradient tensors over this rank's dp group in place: one all-reduce of one
+    flat buffer (MPI on CPU, torch.distributed otherwise), then divided by the number of replicas."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    def average(grads: list[torch.Tensor]) -> None:
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        if transport == "mpi":
+            from mpi4py import MPI
+
+            mesh.comm("dp").Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        else:
+            import torch.distributed as dist
+
+            dist.all_reduce(flat, group=mesh.group("dp"))
+        flat.div_(replicas)
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
+
+    return average
+
+
+def _warm_up() -> None:
+    """The first backward given an output gradient makes torch import sympy (0.5-1 s, once per process): pay
+    that here, not inside the first measured backward, where it would look like a 100x slower stage. A tiny graph
+    of our own: the user's modules (and their buffers or random state) are not touched."""
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    torch.autograd.backward(y, torch.ones_like(y))
+
+
+def _wake(seconds: float) -> None:
+    """Keep this core busy for `seconds` before a stepping call's barrier.
+
+    Between two clicks a rank sleeps for seconds; the first actions after such a pause ran 2-5x slower than the
+    same actions a millisecond later (the core and the process wake up), which a person stepping through the
+    schedule would read as bubble. Measured on 2 CPU engines, 2-stage 1F1B of 64-wide layers, 3 s between
+    clicks: the stepped bubble was 11 points above full speed without this, 3-6 with it. It costs 5 ms a click."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _publisher(rank: int, every: float | None):
+    """A function the executor calls after each action: publishes the spans so far (ipyparallel's datapub) at
+    most every `every` seconds, for a live view; None when no view watches."""
+    if every is None:
+        return None
+    from ipyparallel.datapub import publish_data
+
+    last = [time.perf_counter()]
+
+    def publish(state) -> None:
+        if state.spans[-1].end - last[0] > every:
+            last[0] = state.spans[-1].end
+            publish_data({"rank": rank, "spans": [s.as_tuple() for s in state.spans], "calls": list(state.calls)})
+
+    return publish
