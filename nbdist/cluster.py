@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from nbdist import launch
+from nbdist.checks import is_whole
 from nbdist.engine import boot, registry
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.options import ClusterOptions
@@ -159,7 +160,7 @@ class Cluster:
         if ranks is None or ranks == "all":
             return list(range(self.world_size))
         chosen = parse_rank_spec(ranks, self.world_size) if isinstance(ranks, str) else list(ranks)
-        bad = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        bad = [r for r in chosen if not is_whole(r) or not 0 <= r < self.world_size]
         if bad or not chosen:
             raise DistUsageError(f"ranks {ranks!r} are not in 0..{self.world_size - 1}")
         return chosen

@@ -188,6 +188,18 @@ def test_import_nbdist_is_light_and_its_names_are_there():
     assert run.stdout.splitlines() == ["[]", "nbdist.cluster nbdist.cluster nbdist.cluster nbdist.errors"]
 
 
+def test_subpackages_are_reachable_from_the_package_without_importing_them_first():
+    code = (
+        "import nbdist\n"
+        "print(round(nbdist.schedules.build('gpipe', 2, 2).simulate().bubble_fraction, 6))\n"
+        "print(callable(nbdist.collectives.benchmark), callable(nbdist.collectives.trace), nbdist.Mesh.__name__)\n"
+        "print(nbdist.meshes.layout(4, dp=2, pp=2).groups('pp'))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [str(round(1 / 3, 6)), "True True Mesh", "[[0, 2], [1, 3]]"]
+
+
 def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path, monkeypatch):
     """e.g. a multi-host run's controller_ip, set in the user's profile, still applies to nbdist's cluster."""
     import ipyparallel as ipp

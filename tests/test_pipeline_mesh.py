@@ -176,3 +176,18 @@ def test_objects_made_before_a_restart_say_so_in_one_line():
         assert cluster.holdings() == []
     finally:
         cluster.stop()
+
+
+def test_the_live_view_shows_every_rank_of_every_replica(four):
+    pipe = nbdist.pipeline(build_model, mesh=nbdist.mesh(four, dp=2, pp=2), schedule="gpipe", microbatches=2,
+                           cluster=four)
+    st = pipe.stepper(*global_batches()[0], LOSS)
+    view = st.widget()
+    st.next(2)
+    st.run()
+    html = view.static_html()
+    assert all(f"<td>rank {r}</td>" in html for r in range(4))
+    measured = view._figures[0]
+    assert {label for trace in measured.data for label in trace.y} == {
+        "rank 0 (replica 0)", "rank 1 (replica 1)", "rank 2 (replica 0)", "rank 3 (replica 1)"}
+    pipe.close()

@@ -82,8 +82,8 @@ def test_pipedream_runs_1f1b_order():
         (("pipedream", 4, 3, 1), "microbatches >= stages"),
         (("zb-h1", 4, 3, 1), "microbatches >= stages"),
         (("zero-bubble-v", 4, 8, 1), "unknown schedule"),
-        (("gpipe", 0, 8, 1), "stages must be a positive whole number"),
-        (("gpipe", 2, 2.5, 1), "microbatches must be a positive whole number"),
+        (("gpipe", 0, 8, 1), "stages must be at least 1, got 0"),
+        (("gpipe", 2, 2.5, 1), "microbatches must be a whole number, got 2.5"),
     ],
 )
 def test_impossible_parameters_are_refused(args, words):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from nbdist.checks import is_whole
 from nbdist.errors import DistUsageError
 
 
@@ -20,7 +21,7 @@ def layer_counts(sizes: Sequence[int], pieces: int, balance: Sequence[int] | Non
         balance = list(balance)
         if len(balance) != pieces:
             raise DistUsageError(f"balance has {len(balance)} entries but there are {pieces} stages")
-        if any(not isinstance(b, int) or b < 1 for b in balance):
+        if any(not is_whole(b) or b < 1 for b in balance):
             raise DistUsageError(f"balance entries must be positive layer counts, got {balance}")
         if sum(balance) != layers:
             raise DistUsageError(f"balance {balance} sums to {sum(balance)}, but the model has {layers} layers")

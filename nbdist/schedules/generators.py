@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from nbdist.checks import whole_number
 from nbdist.errors import DistUsageError
 from nbdist.schedules.actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action
 from nbdist.schedules.schedule import Schedule, add_comms
@@ -124,8 +125,7 @@ def check_parameters(name: str, p: int, m: int, v: int) -> None:
     if name not in GENERATORS:
         raise DistUsageError(f"unknown schedule {name!r}: choose one of {', '.join(GENERATORS)}")
     for label, value in (("stages", p), ("microbatches", m), ("chunks", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DistUsageError(f"{label} must be a positive whole number, got {value!r}")
+        whole_number(value, label)
     if name in SINGLE_CHUNK and v != 1:
         raise DistUsageError(f"{name} runs one model chunk per rank: chunks must be 1, got {v}")
     if name in NEEDS_MICROBATCHES_AT_LEAST_STAGES and m < p:
