@@ -58,10 +58,10 @@ def pipeline(model, stages=None, schedule="1f1b", microbatches=8, chunks=1, bala
 
 
 def mesh(cluster=None, **dims: int):
-    """Lay named dimensions (e.g. dp=2, pp=2) over the running cluster's ranks; see nbdist.meshes.mesh."""
-    from nbdist.meshes import mesh as make_mesh
+    """Lay named dimensions (e.g. dp=2, pp=2) over the running (or given) cluster's ranks: see Cluster.mesh."""
+    from nbdist.cluster import current
 
-    return make_mesh(cluster, **dims)
+    return (cluster or current()).mesh(**dims)
 
 
 def __getattr__(name: str):

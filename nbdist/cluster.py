@@ -14,10 +14,12 @@ from typing import Any, Callable, Sequence
 
 from nbdist import launch
 from nbdist.checks import is_whole
-from nbdist.engine import boot, registry
+from nbdist.engine import boot, rank_mesh, registry
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
+from nbdist.meshes import Mesh, layout
 from nbdist.options import ClusterOptions
 from nbdist.remote import SHOW_MODES, OutputRelay, Waiter
+from nbdist.units import format_bytes
 
 _current: "Cluster | None" = None
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
@@ -45,7 +47,7 @@ class Status:
 
     @staticmethod
     def _holding_cells(row: dict) -> list[str]:
-        return [str(row["rank"]), row["kind"], row["name"], format_mib(row["bytes"]), row["what"]]
+        return [str(row["rank"]), row["kind"], row["name"], format_bytes(row["bytes"]), row["what"]]
 
     def _footer(self) -> list[str]:
         if self.startup_seconds is None:
@@ -85,7 +87,7 @@ class Cluster:
         self._info: list[dict] = []
         self.startup_seconds: float | None = None
         self.generation: int | None = None  # which start this is: objects made on older engines are stale
-        self.meshes: dict[str, object] = {}  # the meshes built on these engines, by name (nbdist.meshes.mesh)
+        self.meshes: dict[str, Mesh] = {}  # the meshes built on these engines, by name (Cluster.mesh)
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class Cluster:
             return
         try:
             launched.client.close(linger=0)
-        except Exception:  # noqa: BLE001 - the processes are what matter
+        except Exception:
             pass
         launch.stop_processes(launched.cluster)
 
@@ -243,6 +245,18 @@ class Cluster:
         per_rank = self.run(registry.holdings)
         return [{"rank": rank, **row} for rank, rows in enumerate(per_rank) for row in rows]
 
+    def mesh(self, **dims: int) -> Mesh:
+        """Lay `dims` (e.g. dp=2, pp=2) over the ranks and build, on every rank, one torch DeviceMesh and one MPI
+        sub-communicator per dimension (nbdist/engine/rank_mesh.py). Built once per shape and start: asking again
+        returns the same mesh."""
+        planned = layout(self.world_size, **dims)
+        name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
+        if name not in self.meshes:  # building is collective over every rank
+            built = Mesh(planned.dims, planned.world_size, name=name, generation=self.generation)
+            self.run(rank_mesh.build, built)
+            self.meshes[name] = built
+        return self.meshes[name]
+
     def check_fresh(self, generation: int | None, what: str) -> None:
         """Refuse, in one line, an object made on engines that have since been restarted (they no longer hold it)."""
         self._require_running()
@@ -253,10 +267,6 @@ class Cluster:
     def __repr__(self) -> str:
         state = f"{self.world_size} ranks" if self.running else "stopped"
         return f"<nbdist.Cluster {state}, backend={self._info[0]['backend'] if self._info else self.options.backend}>"
-
-
-def format_mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _text_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:

@@ -111,7 +111,7 @@ def _copy_user_config(path: str) -> None:
 
         shell = get_ipython()
         user_profile = shell.profile_dir.location if shell else os.path.join(get_ipython_dir(), "profile_default")
-    except Exception:  # noqa: BLE001 - no IPython profile: nothing to copy
+    except Exception:
         return
     for name in USER_CONFIG_FILES:
         for found in glob.glob(os.path.join(user_profile, name + ".*")):
@@ -341,7 +341,7 @@ def _forget(cluster: ipp.Cluster) -> None:
         if launcher is not None:
             try:
                 launcher.get_output(remove=True)  # also stops ipyparallel's thread that follows the output file
-            except Exception:  # noqa: BLE001 - tidying must never mask the stop
+            except Exception:
                 pass
     cluster.controller = None
     cluster.engines = {}

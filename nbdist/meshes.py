@@ -13,7 +13,7 @@ with trivial tensor-parallel groups, which later features can rely on.
 
 `Mesh` is plain data (no torch.distributed, no processes): the kernel draws and checks it, the engines build their
 process groups and MPI sub-communicators from the same object (nbdist/engine/rank_mesh.py), so both sides agree on
-every coordinate. `mesh()` asks the running cluster to build it, once per shape.
+every coordinate. `nbdist.mesh(...)` (Cluster.mesh) asks the running cluster to build it, once per shape.
 """
 from __future__ import annotations
 
@@ -147,19 +147,3 @@ def layout(world_size: int, **dims: int) -> Mesh:
         shape = " × ".join(f"{name}={size}" for name, size in mesh.dims)
         raise DistUsageError(f"mesh {shape} needs {mesh.size} ranks but the cluster has {world_size}")
     return mesh
-
-
-def mesh(cluster=None, **dims: int) -> Mesh:
-    """Lay `dims` (e.g. dp=2, pp=2) over the running cluster's ranks and build, on every rank, one torch DeviceMesh
-    and one MPI sub-communicator per dimension. Built once per shape: asking again returns the same mesh."""
-    from nbdist.cluster import current
-    from nbdist.engine import rank_mesh
-
-    cluster = cluster or current()
-    planned = layout(cluster.world_size, **dims)
-    name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
-    if name not in cluster.meshes:  # building is collective over every rank: once per mesh and start
-        built = Mesh(planned.dims, planned.world_size, name=name, generation=cluster.generation)
-        cluster.run(rank_mesh.build, built)
-        cluster.meshes[name] = built
-    return cluster.meshes[name]

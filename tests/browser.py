@@ -77,11 +77,11 @@ def require_browser() -> None:
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         missing.append(f"Chromium not found at {CHROMIUM} (apt-get install chromium, or set NBDIST_CHROMIUM)")
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api
     except ImportError:
         missing.append("Python playwright is not installed (pip install -e '.[test]')")
     try:
-        import jupyterlab  # noqa: F401
+        import jupyterlab
     except ImportError:
         missing.append("JupyterLab is not installed (pip install -e '.[test]')")
     if not missing:
@@ -141,7 +141,7 @@ class LabServer:
         ]
         if os.geteuid() == 0:  # CI containers run as root
             command.append("--allow-root")
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=self._environment(),
                                         cwd=self.root)
         if not wait_for(self._answers, timeout, interval=0.5):

@@ -24,9 +24,18 @@ from textwrap import dedent
 import nbformat
 import psutil
 import pytest
-
-from browser import (SCREENSHOTS, Browser, LabNotebook, LabServer, error_outputs, is_drawn, measure_plots,
-                     require_browser, screenshot, wait_for)
+from browser import (
+    SCREENSHOTS,
+    Browser,
+    LabNotebook,
+    LabServer,
+    error_outputs,
+    is_drawn,
+    measure_plots,
+    require_browser,
+    screenshot,
+    wait_for,
+)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 READING_PAUSE = 3.0  # seconds a person spends reading between two clicks

@@ -8,13 +8,13 @@ import psutil
 import pytest
 import torch
 from IPython.paths import get_ipython_dir
+from kernel_driver import ANSI
+from processes import wait_until_gone
 
 import nbdist
 from nbdist import lifeline
 from nbdist.errors import DistError, DistUsageError
 from nbdist.launch import _hydra_files, remove_stale_profile_dirs
-from kernel_driver import ANSI
-from processes import wait_until_gone
 
 
 def _all_reduce_ranks():

@@ -1,18 +1,21 @@
-"""Hand-built all-reduce (ring, tree, recursive doubling) on a real 8-engine cluster, against dist.all_reduce, and
-the one cost table (nbdist.collectives.costs) against what the algorithms really send.
+"""Hand-built all-reduce (ring, tree, recursive doubling; nbdist/engine/allreduce.py) on a real 8-engine cluster,
+against dist.all_reduce, traced from the notebook (nbdist/collectives/tracing.py), and the one cost table
+(nbdist.collectives.costs) against what the algorithms really send.
 
 One 8-engine cluster covers 2 to 8 ranks: the algorithms take a process group, and `trace(world_size=n)` runs
 them on the group of ranks 0..n-1 (3, 5 and 6 are the non-power-of-two cases: the tree's missing partners and
 recursive doubling's fold-in / fold-out).
 """
+import ast
 import math
+import pathlib
 
 import pytest
 import torch
 
 import nbdist
-from nbdist.collectives import algorithms, benchmark, costmodel, costs, trace
-from nbdist.collectives.algorithms import message_counts
+from nbdist.collectives import benchmark, costmodel, costs, message_counts, trace
+from nbdist.collectives.tracing import Trace
 from nbdist.errors import DistError, DistUsageError
 from nbdist.options import ClusterOptions
 
@@ -91,15 +94,15 @@ def _direct_call(name: str, n: int):
     import torch
     import torch.distributed as dist
 
-    from nbdist.collectives import algorithms
+    from nbdist.engine import allreduce, groups
 
-    group = algorithms._group(n)
+    group = groups.first_ranks(n)
     if dist.get_rank() >= n:
         return None
     rank = dist.get_rank(group)
     x = torch.arange(6).reshape(2, 3).t() * (rank + 1)
     record = []
-    out = algorithms.ALGORITHMS[name](x, group, record)
+    out = allreduce.ALGORITHMS[name](x, group, record)
     return out is x and not x.is_contiguous(), x, len(record)
 
 
@@ -116,7 +119,7 @@ def test_in_place_on_integer_non_contiguous_tensors(eight, name):
 def _bool_all_reduce():
     import torch
 
-    from nbdist.collectives import ring_all_reduce
+    from nbdist.engine.allreduce import ring_all_reduce
 
     ring_all_reduce(torch.ones(3, dtype=torch.bool))
 
@@ -219,6 +222,69 @@ def test_trace_repr_says_what_ran(eight):
     assert "recursive-doubling all-reduce on 2 ranks" in text and "1 step," in text and "matches" in text
 
 
-def test_algorithms_module_exports():
-    assert {"ring_all_reduce", "tree_all_reduce", "recursive_doubling_all_reduce", "trace"} <= set(dir(algorithms))
-    assert nbdist.collectives.ring_all_reduce is algorithms.ring_all_reduce
+def _engine_break_ring(broken: bool) -> None:
+    """Fault injection on this rank: the ring's result off by one after it ran (the record stays the real one)."""
+    from nbdist.engine import allreduce
+
+    if broken:
+        real = allreduce.ALGORITHMS["ring"]
+
+        def off_by_one(tensor, group=None, record=None):
+            return real(tensor, group, record).add_(1.0)
+
+        off_by_one.real = real
+        allreduce.ALGORITHMS["ring"] = off_by_one
+    else:
+        allreduce.ALGORITHMS["ring"] = allreduce.ALGORITHMS["ring"].real
+
+
+def test_a_trace_that_differs_from_the_library_says_so(eight):
+    """matches_library is measured: a result off by one on one rank gives a trace whose max_diff is 1, which says
+    DIFFERS in its repr and its figure, and still shows its (real, complete) steps."""
+    eight.run(_engine_break_ring, True, ranks=[2])
+    try:
+        t = trace("ring", world_size=4, size=8, cluster=eight)
+    finally:
+        eight.run(_engine_break_ring, False, ranks=[2])
+    assert not t.matches_library and t.max_diff == pytest.approx(1.0, abs=1e-5) and t.max_diff > t.tolerance
+    assert "DIFFERS FROM dist.all_reduce (max diff 1" in repr(t)
+    fig = t.figure()
+    assert all("DIFFERS FROM dist.all_reduce" in frame.layout.title.text for frame in fig.frames)
+    assert len(t.steps) == costs.steps("ring", 4)
+    healthy = trace("ring", world_size=4, size=8, cluster=eight)
+    assert healthy.matches_library and "DIFFERS" not in repr(healthy) + healthy.figure().layout.title.text
+    assert f"the result {healthy.verdict}" in healthy.figure().layout.title.text
+
+
+def test_matches_library_is_computed_from_the_difference():
+    def made(max_diff: float, scale: float) -> Trace:
+        return Trace("ring", 2, 2, [1, 1], [], max_diff=max_diff, scale=scale)
+
+    assert made(0.0, 0.0).matches_library and made(1e-5, 0.5).matches_library  # tolerance at least 1e-5
+    assert not made(2e-5, 0.5).matches_library
+    assert made(0.9e-3, 100.0).matches_library and not made(1.1e-3, 100.0).matches_library  # relative to the sum
+    assert not made(float("nan"), 1.0).matches_library
+
+
+def test_the_groups_made_for_traces_live_in_the_engine_registry(eight):
+    trace("tree", world_size=3, size=4, cluster=eight)
+    held = [row for row in eight.holdings() if (row["kind"], row["name"]) == ("group", "ranks:0,1,2")]
+    assert sorted(row["rank"] for row in held) == list(range(8))  # new_group is collective: every rank holds it
+    assert held[0]["what"] == "torch group of ranks [0, 1, 2]"
+
+
+def test_one_spelling_of_each_name_on_both_sides():
+    """The engines' algorithms and the figures' styles are keyed by the cost table's names, and only the table
+    knows the alias."""
+    from nbdist.engine import allreduce
+    from nbdist.viz.collectives import ALGORITHM_STYLES
+
+    assert tuple(allreduce.ALGORITHMS) == tuple(ALGORITHM_STYLES) == costs.ALGORITHMS
+    assert costs.canonical("recursive_doubling") == "recursive-doubling" and costs.ALIASES == {
+        "recursive_doubling": "recursive-doubling"}
+    assert not hasattr(nbdist.collectives, "ring_all_reduce")  # engine code is reached through nbdist.engine
+    package = pathlib.Path(nbdist.__file__).parent
+    spelled = {str(path.relative_to(package)) for path in package.rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value == "recursive_doubling"}
+    assert spelled == {"collectives/costs.py"}  # the alias, as a string, in one module

@@ -1,10 +1,12 @@
 """The collectives benchmark on the real 2-engine cluster (every op through gloo and MPI, checked), its input
 validation, and the alpha-beta model on synthetic rows (exact arithmetic)."""
 import math
+import subprocess
+import sys
 
 import pytest
 
-from nbdist.collectives import AlphaBeta, BenchmarkResult, OPS, benchmark, fit_alpha_beta
+from nbdist.collectives import OPS, AlphaBeta, BenchmarkResult, benchmark, fit_alpha_beta
 from nbdist.errors import DistError, DistUsageError
 
 BUSBW_FACTOR_2_RANKS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0,
@@ -49,9 +51,20 @@ def test_table_html_and_figure(sweep):
 
 
 def test_benchmark_is_the_function_whatever_was_imported_first():
-    import nbdist.collectives.sweep  # noqa: F401  (a submodule import must not shadow the export)
+    import nbdist.collectives.sweep
+    import nbdist.collectives.tracing
 
     assert nbdist.collectives.benchmark is benchmark and callable(benchmark)
+    assert callable(nbdist.collectives.trace) and nbdist.collectives.trace.__module__ == "nbdist.collectives.tracing"
+
+
+def test_collectives_are_reachable_from_a_bare_import_nbdist():
+    """`import nbdist; nbdist.collectives.benchmark(...)` without importing the submodule first (a fresh process:
+    nothing imported before)."""
+    code = ("import nbdist; f = nbdist.collectives.benchmark; t = nbdist.collectives.trace; "
+            "print(f.__module__, t.__module__, nbdist.collectives.OPS[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["nbdist.collectives.sweep", "nbdist.collectives.tracing", "all_reduce"]
 
 
 def test_iterations_are_chosen_for_a_measurable_loop(cluster):
@@ -80,7 +93,7 @@ def test_ranks_picks_the_first_ranks(cluster):
 def _engine_break_expected(broken: bool) -> None:
     import importlib
 
-    cls = importlib.import_module("nbdist.collectives.sweep")._Collective
+    cls = importlib.import_module("nbdist.engine.collective_timing").Collective
     if broken:
         cls._original_expected = cls.expected
         cls.expected = lambda self: cls._original_expected(self) + 1
@@ -101,7 +114,7 @@ def test_a_wrong_result_raises_naming_op_via_and_size(cluster):
 def _engine_torch_lacks_ops(lacking: bool) -> None:
     import importlib
 
-    cls = importlib.import_module("nbdist.collectives.sweep")._Collective
+    cls = importlib.import_module("nbdist.engine.collective_timing").Collective
     if lacking:
         def unsupported(self):
             def call():
@@ -136,7 +149,7 @@ class _FakeCluster:
 
     def run(self, fn, *args, **kwargs):
         self.calls.append(fn.__name__)
-        if fn.__name__ == "_engine_mpi_world":
+        if fn.__name__ == "mpi_world":
             return self.worlds
         raise AssertionError(f"{fn.__name__} started on the engines after a failed validation")
 
@@ -151,10 +164,13 @@ class _FakeCluster:
         ({"sizes": 1026, "ops": "all_reduce"}, "not a whole number of float32 elements"),
         ({"sizes": 1028, "ops": ("all_reduce", "all_to_all")}, "all_to_all needs one equal float32 chunk per rank, "
                                                                "so a multiple of world size × 4 = 8 bytes"),
-        ({"ops": "allreduce"}, "unknown op 'allreduce': choose from all_reduce, all_gather"),
-        ({"via": "nccl"}, "unknown via 'nccl': choose from torch, mpi"),
-        ({"iters": 0}, "iters must be a positive whole number"),
-        ({"warmup": -1}, "warmup must be a whole number >= 0"),
+        ({"ops": "allreduce"}, "unknown op 'allreduce': choose all_reduce, all_gather"),
+        ({"via": "nccl"}, "unknown via 'nccl': choose torch, mpi"),
+        ({"ops": []}, "no op given: choose all_reduce, all_gather"),
+        ({"iters": 0}, r"iters \(or None: chosen for you\) must be at least 1, got 0"),
+        ({"iters": 2.0}, r"iters \(or None: chosen for you\) must be a whole number, got 2.0"),
+        ({"warmup": -1}, "warmup must be at least 0, got -1"),
+        ({"target_seconds": "0.1"}, "target_seconds must be a number of seconds, got '0.1'"),
         ({"ranks": 3}, "ranks must be a whole number from 1 to 2"),
         ({"ranks": 0}, "ranks must be a whole number from 1 to 2"),
         ({"ranks": True}, "ranks must be a whole number from 1 to 2"),
@@ -180,7 +196,7 @@ def test_mpi_without_a_matching_mpi_world_is_refused_after_asking_the_engines(wo
     fake = _FakeCluster(worlds)
     with pytest.raises(DistUsageError, match=message):
         benchmark(ops="all_reduce", sizes=1024, via=("torch", "mpi"), cluster=fake)
-    assert fake.calls == ["_engine_mpi_world"]  # no collective started
+    assert fake.calls == ["mpi_world"]  # no collective started
 
 
 # -- the alpha-beta model ----------------------------------------------------------------------------------------

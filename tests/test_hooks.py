@@ -1,13 +1,17 @@
-"""DDP communication hooks on a real 2-engine cluster: MPI all-reduce equals gloo's and the serial model; the
-compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad input is refused."""
+"""DDP communication hooks (nbdist/engine/hooks.py) on a real 2-engine cluster: MPI all-reduce equals gloo's and the
+serial model; the compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad
+input is refused. On a real 4-engine cluster: the MPI hooks on process groups that are not the whole world (a
+mesh's dp dimension, and groups of no mesh), each group averaging only within itself."""
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from nbdist.collectives import hooks
+import nbdist
+from nbdist.engine import hooks
 from nbdist.errors import DistError, DistUsageError
+from nbdist.options import ClusterOptions
 
 ATOL = 1e-6
 LR = 0.1
@@ -34,7 +38,7 @@ def _train(hook: str | None, steps: int, **options) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.collectives.hooks import register_hook
+    from nbdist.engine.hooks import register_hook
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_model())
@@ -63,7 +67,7 @@ def _topk_bookkeeping(ratio: float, steps: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.collectives import hooks
+    from nbdist.engine import hooks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_model(), bucket_cap_mb=0.01)  # several buckets, regrouped after step 1
@@ -106,7 +110,7 @@ def _accumulate(no_sync: bool, steps: int, k: int = 2) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.data_parallel import ddp
+    from nbdist.engine.ddp import ddp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = ddp(build_model(), hook="mpi", bucket_cap_mb=0.01)
@@ -128,8 +132,8 @@ def _bad_input() -> list[str]:
     """The errors register_hook and ddp raise on this rank, as 'Type: message'."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.collectives.hooks import register_hook
-    from nbdist.data_parallel import ddp
+    from nbdist.engine.ddp import ddp
+    from nbdist.engine.hooks import register_hook
 
     model = DistributedDataParallel(build_model())
     attempts = [
@@ -148,14 +152,14 @@ def _bad_input() -> list[str]:
         try:
             attempt()
             out.append("no error")
-        except Exception as e:  # noqa: BLE001 - reported back to the test
+        except Exception as e:
             out.append(f"{type(e).__name__}: {e}")
     return out
 
 
 def _auto_and_ddp() -> dict:
-    from nbdist.collectives.hooks import choose
-    from nbdist.data_parallel import ddp
+    from nbdist.engine.ddp import ddp
+    from nbdist.engine.hooks import choose
 
     model = ddp(build_model(), bucket_cap_mb=1)
     return {
@@ -169,9 +173,9 @@ def _auto_and_ddp() -> dict:
 # -- in this process ---------------------------------------------------------------------------------------------------
 
 
-def serial(steps: int) -> dict:
+def serial(steps: int, batch: tuple | None = None) -> dict:
     model = build_model()
-    x, y = full_batch()
+    x, y = batch or full_batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
         optimizer.zero_grad()
@@ -260,7 +264,7 @@ def test_bad_input_is_refused(cluster):
         "ratio must be in (0, 1], got -0.1",
         "ratio must be in (0, 1], got '0.1'",
         "hook 'mpi' takes no options; got ratio",
-        "rank must be a positive integer, got 0",
+        "PowerSGD rank must be at least 1, got 0",
         "needs a DistributedDataParallel model, got Sequential",
         "ratio must be in (0, 1], got 2.0",
     ]
@@ -307,8 +311,8 @@ def _powersgd_two_buckets(through_ddp: bool):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.collectives.hooks import register_hook
-    from nbdist.data_parallel import ddp
+    from nbdist.engine.ddp import ddp
+    from nbdist.engine.hooks import register_hook
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 8))
@@ -345,3 +349,111 @@ def test_powersgd_on_several_buckets_is_avoided_or_refused(cluster):
     refused = r"PowerSGD on gloo fails \(hangs or aborts\) with more than one gradient bucket"
     with pytest.raises(DistError, match=refused):
         cluster.run(_powersgd_two_buckets, False, timeout=60)
+
+
+# -- on process groups that are not the whole world (4 engines) -----------------------------------------------------
+
+SUBGROUP_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def four():
+    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
+    yield cluster
+    cluster.stop()
+
+
+def replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each replica group trains on its own global batch (another seed per replica), so groups that mixed their
+    gradients would end up with neither group's serial result."""
+    g = torch.Generator().manual_seed(100 + replica)
+    x = torch.randn(BATCH, IN, generator=g)
+    return x, torch.sin(x[:, :OUT] * 2) + 0.1 * x[:, OUT : 2 * OUT]
+
+
+def _train_replica(where, hook: str, steps: int, **options) -> dict:
+    """On every rank: DDP over this rank's replica group, `steps` SGD steps on its replica's batch (this rank's
+    shard of it). where: a Mesh (the group is its dp dimension, the replica its pp coordinate) or a list of rank
+    lists (every rank makes every group, as dist.new_group needs; the replica is the index of this rank's)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbdist.engine import groups, rank_mesh
+    from nbdist.engine.hooks import register_hook
+
+    if isinstance(where, list):
+        made = [groups.torch_group(ranks) for ranks in where]
+        replica = next(i for i, ranks in enumerate(where) if dist.get_rank() in ranks)
+        group, mesh_comm = made[replica], None
+    else:
+        me = rank_mesh.here(where)
+        group, replica, mesh_comm = me.group("dp"), me.coord("pp"), me.comm("dp")
+    model = DistributedDataParallel(build_model(), process_group=group)
+    state = register_hook(model, hook, **options)
+    x, y = (t.chunk(dist.get_world_size(group))[dist.get_rank(group)] for t in replica_batch(replica))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    comm = getattr(state, "comm", None)
+    return {
+        "replica": replica,
+        "hook": state.name,
+        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "comm_size": None if comm is None else comm.size,
+        "mesh_comm": comm is not None and comm is mesh_comm,
+    }
+
+
+def assert_replicas_equal_their_serial_runs(results: list[dict], steps: int) -> None:
+    expected = {replica: serial(steps, replica_batch(replica)) for replica in {r["replica"] for r in results}}
+    for r in results:
+        for key in expected[r["replica"]]:
+            torch.testing.assert_close(r["params"][key], expected[r["replica"]][key], atol=SUBGROUP_ATOL, rtol=0)
+    assert len(expected) == 2
+    drift = max((expected[0][k] - expected[1][k]).abs().max().item() for k in expected[0])
+    assert drift > 1e-3  # the replicas' serial results differ: equal to its own means no mixing with the other
+
+
+def test_mpi_hook_on_a_mesh_dp_group_equals_gloo_and_each_replica_serial(four):
+    """dp=2 x pp=2 on 4 ranks: two dp groups of two ranks ([0, 1] and [2, 3]), never the whole world. The MPI hook
+    ("auto" picks it on CPU) talks on the mesh's dp communicator; each group equals gloo and its own serial run."""
+    m = nbdist.mesh(four, dp=2, pp=2)
+    assert m.groups("dp") == [[0, 1], [2, 3]]
+    steps = 3  # crosses DDP's bucket regrouping after the first step
+    mpi = four.run(_train_replica, m, "auto", steps)
+    gloo = four.run(_train_replica, m, "gloo", steps)
+    assert [r["replica"] for r in mpi] == [0, 0, 1, 1]
+    assert all(r["hook"] == "mpi" and r["comm_size"] == 2 and r["mesh_comm"] for r in mpi)
+    assert all(r["hook"] == "gloo" and r["comm_size"] is None for r in gloo)
+    for a, b in zip(mpi, gloo):
+        assert_params_close(a["params"], b["params"])
+    assert_replicas_equal_their_serial_runs(mpi, steps)
+
+
+def test_topk_on_a_sub_group_averages_within_it(four):
+    """Top-k's all-gather runs on the group's communicator: with ratio 1 (everything sent) it is the group's plain
+    average, so each replica equals its own serial run."""
+    m = nbdist.mesh(four, dp=2, pp=2)
+    results = four.run(_train_replica, m, "topk", 2, ratio=1.0)
+    assert all(r["hook"] == "topk" and r["comm_size"] == 2 for r in results)
+    assert_replicas_equal_their_serial_runs(results, 2)
+
+
+def test_mpi_hook_on_groups_of_no_mesh_makes_their_communicator_once(four):
+    """Groups [0, 3] and [1, 2] belong to no mesh: each gets an MPI communicator of its ranks, made by its members
+    only and kept in the engine registry (listed by Cluster.holdings), reused on the next call."""
+    where = [[0, 3], [1, 2]]
+    first = four.run(_train_replica, where, "mpi", 3)
+    again = four.run(_train_replica, where, "mpi", 3)
+    assert [r["replica"] for r in first] == [0, 1, 1, 0]
+    assert all(r["comm_size"] == 2 and not r["mesh_comm"] for r in first)
+    assert_replicas_equal_their_serial_runs(first, 3)
+    for a, b in zip(first, again):
+        assert_params_close(a["params"], b["params"])
+    held = [row for row in four.holdings() if row["kind"] == "mpi-comm"]
+    assert sorted((row["rank"], row["name"]) for row in held) == [
+        (0, "ranks:0,3"), (1, "ranks:1,2"), (2, "ranks:1,2"), (3, "ranks:0,3")]  # once each, members only
+    assert {row["what"] for row in held} == {"MPI communicator of ranks [0, 3]", "MPI communicator of ranks [1, 2]"}

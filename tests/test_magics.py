@@ -6,7 +6,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from kernel_driver import KernelDriver
 from processes import wait_until_gone
 

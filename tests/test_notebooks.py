@@ -11,10 +11,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from browser import Browser, is_drawn, measure_plots, require_browser, wait_for
 from nbclient import NotebookClient
 from nbconvert import HTMLExporter
-
-from browser import Browser, is_drawn, measure_plots, require_browser, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))

@@ -1,31 +1,30 @@
-"""Collective communication: measure it (nccl-tests conventions), build it by hand, and make CPU training faster.
+"""Collective communication, from the notebook: measure it (nccl-tests conventions), trace it step by step, price it.
 
-sweep.py        every collective timed through torch.distributed and through MPI, with algbw/busbw and checks
+sweep.py        benchmark(): every collective timed through torch.distributed and through MPI, algbw/busbw, checks
+tracing.py      trace(): a hand-built all-reduce run on the cluster, compared with dist.all_reduce, step by step
 costmodel.py    the alpha-beta model (latency + bytes / bandwidth) fitted to a sweep; ring vs tree predictions
-costs.py        one table of steps and bytes per all-reduce algorithm: what costmodel and algorithms both charge
-algorithms.py   ring, binomial-tree and recursive-doubling all-reduce over point-to-point messages, step by step
-hooks.py        DDP communication hooks: all-reduce through MPI on CPU; compression (fp16, bf16, top-k, PowerSGD)
-compat.py       all_gather_single / reduce_scatter_single on every supported torch (older names before 2.13)
+costs.py        one table of steps and bytes per all-reduce algorithm: what costmodel and trace both charge (data)
+ops.py          the benchmarked ops as data: names, chunked or not, element size (read on both sides)
 
-Names are imported on first use, so `import nbdist` stays light.
+What runs ON the engines lives in nbdist.engine: allreduce.py (ring, tree, recursive doubling over point-to-point
+messages), collective_timing.py (the benchmark's timed loops), hooks.py (DDP communication hooks: MPI all-reduce,
+fp16, bf16, top-k, PowerSGD), ddp.py (`ddp(model, hook="auto")`), compat.py (all_gather_single /
+reduce_scatter_single on every torch). In a %%dist cell: `from nbdist.engine.allreduce import ring_all_reduce`.
+
+Names are imported on first use, so `import nbdist` stays light: `import nbdist; nbdist.collectives.benchmark(...)`.
 """
 from importlib import import_module
 
 _EXPORTS = {
     "benchmark": "sweep",
     "BenchmarkResult": "sweep",
-    "OPS": "sweep",
+    "OPS": "ops",
     "fit_alpha_beta": "costmodel",
     "AlphaBeta": "costmodel",
-    "ring_all_reduce": "algorithms",
-    "tree_all_reduce": "algorithms",
-    "recursive_doubling_all_reduce": "algorithms",
-    "trace": "algorithms",
+    "trace": "tracing",
+    "Trace": "tracing",
     "message_counts": "costs",
-    "all_gather_single": "compat",
-    "reduce_scatter_single": "compat",
-    "mpi_allreduce_hook": "hooks",
-    "register_hook": "hooks",
+    "MessageCount": "costs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """What each all-reduce algorithm costs on n ranks, in one table: steps (each pays α) and bytes (each pays β).
 
 Everything that prices an algorithm reads this table: the α-β model (`costmodel`: predictions, crossover, the
-figure's legend) and the step and byte counts of the hand-built algorithms (`algorithms.message_counts`). A test
+figure's legend) and the step and byte counts of the hand-built algorithms (`message_counts`). A test
 checks the table against what `trace()` records on real ranks (n = 2, 3, 4, 5, 6, 8), so the model charges what
 the code does.
 
@@ -25,11 +25,15 @@ Exchanges count once: a rank that sends S and receives S in the same step pays S
 
 Names: "ring", "tree", "recursive-doubling" (the names `trace` takes); `canonical` also accepts
 "recursive_doubling", the spelling of `AlphaBeta.recursive_doubling`. This is the one place that knows the alias.
+
+Plain data, imported on both sides: the engines' algorithms (nbdist/engine/allreduce.py) read which phases add,
+the notebook's model, trace and figures read the rest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbdist.checks import is_whole
 from nbdist.errors import DistUsageError
 
 ALGORITHMS = ("ring", "tree", "recursive-doubling")
@@ -39,6 +43,9 @@ LEGEND = {  # algorithm -> (name in a legend, its cost in α and β, general n)
     "tree": ("binomial tree", "2⌈log2 n⌉·(α + Sβ)"),
     "recursive-doubling": ("recursive doubling", "log2 n·(α + Sβ); ⌊log2 n⌋+2 steps if n is no power of 2"),
 }
+# The phases of the algorithms' steps. In a reducing phase the receiver adds the chunk that arrived to its own; in
+# the others ("all-gather", "broadcast", "fold-out") the chunk replaces its own.
+REDUCING_PHASES = ("reduce-scatter", "reduce", "exchange", "fold-in")
 
 
 def canonical(algorithm: str) -> str:
@@ -50,7 +57,7 @@ def canonical(algorithm: str) -> str:
 
 
 def _check_ranks(n: int, least: int = 1) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < least:
+    if not is_whole(n) or n < least:
         raise DistUsageError(f"an all-reduce algorithm needs n >= {least} ranks (a whole number), got {n!r}")
 
 
@@ -118,6 +125,13 @@ def legend(algorithm: str, n: int) -> str:
 # -- exact counts for a tensor of whole elements -------------------------------------------------------------------
 
 
+def chunk_sizes(algorithm: str, n: int, elements: int) -> list[int]:
+    """Elements of each chunk a tensor of `elements` is cut into: n nearly equal chunks for the ring (the larger
+    first, as torch.tensor_split cuts them), the whole tensor as one chunk for the others."""
+    parts = n if canonical(algorithm) == "ring" else 1
+    return [elements // parts + (1 if c < elements % parts else 0) for c in range(parts)]
+
+
 @dataclass(frozen=True)
 class MessageCount:
     """Steps and bytes of one all-reduce of `size` bytes over n ranks (whole elements: the ring's chunks are
@@ -140,7 +154,7 @@ def message_counts(algorithm: str, n: int, size: int, itemsize: int = 4) -> Mess
     """Steps and bytes of `algorithm` for `size` bytes over n ranks, in elements of `itemsize` bytes."""
     algorithm = canonical(algorithm)
     _check_ranks(n)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size % itemsize:
+    if not is_whole(size) or size < 0 or size % itemsize:
         raise DistUsageError(f"size must be a whole number of {itemsize}-byte elements, in bytes; got {size!r}")
     k = steps(algorithm, n)
     if algorithm != "ring":
@@ -148,7 +162,7 @@ def message_counts(algorithm: str, n: int, size: int, itemsize: int = 4) -> Mess
         return MessageCount(algorithm, n, size, k, message, k * message,
                             round(busiest_rank_share(algorithm, n)) * size)
     elements = size // itemsize
-    chunks = [elements // n + (1 if c < elements % n else 0) for c in range(n)]  # torch.tensor_split's sizes
+    chunks = chunk_sizes(algorithm, n, elements)
     # rank r sends every chunk but r+1 in the reduce-scatter and every chunk but r+2 in the all-gather
     busiest = max(2 * elements - chunks[(r + 1) % n] - chunks[(r + 2) % n] for r in range(n)) if k else 0
     message = max(chunks) * itemsize if k else 0

@@ -29,7 +29,7 @@ from nbdist.checks import one_of, whole_number
 from nbdist.cluster import Cluster, current
 from nbdist.engine import pipeline as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.meshes import Mesh, mesh as build_mesh
+from nbdist.meshes import Mesh
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
 from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
@@ -81,7 +81,7 @@ def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None) -> M
         whole_number(stages, "stages")
         if stages > cluster.world_size:
             raise DistUsageError(f"stages={stages} needs {stages} ranks but the cluster has {cluster.world_size}")
-        return build_mesh(cluster, pp=stages)
+        return cluster.mesh(pp=stages)
     if not isinstance(mesh, Mesh):
         raise DistUsageError(f"mesh must be made by nbdist.mesh(...), got {type(mesh).__name__}")
     cluster.check_fresh(mesh.generation, f"mesh {mesh.name}")

@@ -1,5 +1,8 @@
 """An all-reduce step by step, from `nbdist.collectives.trace(...)`: who sends which chunk where, what each rank holds.
 
+Drawn from the trace's data only (its algorithm, ranks, chunk sizes, steps and verdict against dist.all_reduce); the
+phases that add come from the one cost table (nbdist.collectives.costs, plain data).
+
 One frame per step, chosen with a slider (or played). Ranks sit on a circle (ring, recursive doubling) or as the
 binomial tree (tree). Each message of the step is an arrow labelled with its chunk, orange where the receiver adds
 it and blue where it copies it. Beside every rank a row of squares, one per chunk, is shaded by how many ranks'
@@ -13,9 +16,10 @@ import math
 
 import plotly.graph_objects as go
 
-from nbdist.collectives.algorithms import REDUCING_PHASES
+from nbdist.collectives.costs import REDUCING_PHASES
 
 ADD_COLOUR, COPY_COLOUR = "#F58518", "#4C78A8"
+DIFFERS_COLOUR = "#D62728"  # a result that is not dist.all_reduce's
 HOLD_SCALE = [[0.0, "#EDEDED"], [1.0, "#2E7D32"]]  # own contribution only -> everyone's
 PHASE_NOTES = {
     "reduce-scatter": "each rank adds the chunk from its left neighbour",
@@ -35,7 +39,7 @@ CHUNK_TRACE = 2  # traces: tree links (drawn first, underneath), ranks, chunks (
 
 
 def collective_steps_figure(trace, title: str | None = None) -> go.Figure:
-    """A figure of `trace` (nbdist.collectives.algorithms.Trace) with one frame per step and a slider."""
+    """A figure of `trace` (nbdist.collectives.tracing.Trace) with one frame per step and a slider."""
     n, chunks = trace.world_size, len(trace.chunk_sizes)
     nodes = _tree_positions(n) if trace.algorithm == "tree" else _circle_positions(n)
     squares = _chunk_positions(nodes, chunks, beside=trace.algorithm == "tree")
@@ -44,7 +48,8 @@ def collective_steps_figure(trace, title: str | None = None) -> go.Figure:
             name=str(step["step"]),
             data=[_chunk_trace(squares, step["holds"], n)],
             traces=[CHUNK_TRACE],
-            layout={"title": _title(trace, step, title), "annotations": _arrows(nodes, step, chunks)},
+            layout={"title": _title(trace, step, title),
+                    "annotations": _arrows(nodes, step, chunks) + [_caption(chunks)]},
         )
         for step in trace.steps
     ]
@@ -186,7 +191,7 @@ def _arrows(nodes: list, step: dict, chunks: int) -> list[dict]:
             "showarrow": False, "text": f"c{chunk}" if chunks > 1 else "all", "font": {"color": colour, "size": 12},
             "bgcolor": "rgba(255,255,255,0.8)",
         })
-    return arrows + [_caption(chunks)]
+    return arrows
 
 
 def _caption(chunks: int) -> dict:
@@ -203,7 +208,9 @@ def _caption(chunks: int) -> dict:
 def _title(trace, step: dict, title: str | None) -> str:
     head = title or f"{trace.algorithm} all-reduce, {trace.world_size} ranks"
     note = PHASE_NOTES.get(step["phase"], "")
-    return f"{head}: step {step['step']} of {len(trace.steps)}, {step['phase']}<br><sup>{note}</sup>"
+    colour = "#555555" if trace.matches_library else DIFFERS_COLOUR
+    return (f"{head}: step {step['step']} of {len(trace.steps)}, {step['phase']}<br><sup>{note}</sup><br>"
+            f"<sup><span style='color:{colour}'>the result {trace.verdict}</span></sup>")
 
 
 def _layout(fig: go.Figure, names: list[str]) -> None:

@@ -2,7 +2,9 @@
 
 Both are log-log: sizes from a kilobyte to tens of megabytes and times from microseconds to tens of milliseconds
 only show their shape on logarithmic axes (a line of slope 1 in time is pure bandwidth, a flat one pure latency).
-Colour tells the operation (or the algorithm), dash tells the way: torch.distributed solid, MPI dashed.
+Colour tells the operation (or the algorithm), dash tells the way: torch.distributed solid, MPI dashed. Drawn from
+data only: benchmark rows (dicts) and a fitted model's numbers; the algorithms' names and legends come from the one
+cost table (nbdist.collectives.costs, plain data).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from nbdist.collectives import costs
-from nbdist.collectives.sweep import format_bytes
+from nbdist.units import format_bytes
 
 OP_COLOURS = {
     "all_reduce": "#4C78A8",
@@ -22,7 +24,7 @@ OP_COLOURS = {
     "all_to_all": "#E45756",
 }
 VIA_DASH = {"torch": "solid", "mpi": "dash"}
-ALGORITHM_STYLES = {  # algorithm -> (colour, dash); the legend's formula comes from the one cost table
+ALGORITHM_STYLES = {  # each name of costs.ALGORITHMS -> (colour, dash); the legend's formula comes from the table
     "ring": ("#4C78A8", "solid"),
     "tree": ("#F58518", "solid"),
     "recursive-doubling": ("#54A24B", "dot"),
@@ -74,9 +76,10 @@ def alpha_beta_figure(fit, n: int, title: str | None = None) -> go.Figure:
     traces.append(go.Scatter(name=f"fit: α + βS (α {fit.alpha * 1e6:.3g} us, {fit.bandwidth / 1e9:.3g} GB/s)",
                              x=sizes, y=fit.predict(sizes), mode="lines",
                              line={"color": "#999999", "dash": "dash"}))
-    for algorithm, (colour, dash) in ALGORITHM_STYLES.items():
-        traces.append(go.Scatter(name=costs.legend(algorithm, n), x=sizes, y=fit.cost(algorithm, sizes, n), mode="lines",
-                                 line={"color": colour, "dash": dash}))
+    for algorithm in costs.ALGORITHMS:
+        colour, dash = ALGORITHM_STYLES[algorithm]
+        traces.append(go.Scatter(name=costs.legend(algorithm, n), x=sizes, y=fit.cost(algorithm, sizes, n),
+                                 mode="lines", line={"color": colour, "dash": dash}))
     fig = go.Figure(traces)
     crossover = fit.crossover(n)
     if 0 < crossover < math.inf:

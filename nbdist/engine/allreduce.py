@@ -1,6 +1,7 @@
-"""All-reduce built by hand from point-to-point messages: ring, binomial tree and recursive doubling.
+"""All-reduce built by hand from point-to-point messages: ring, binomial tree and recursive doubling (runs ON the
+engines).
 
-The three functions run ON the engines, on every rank of a process group, like `dist.all_reduce` (sum, in place):
+The three functions run on every rank of a process group, like `dist.all_reduce` (sum, in place):
 
     ring_all_reduce(t)                  reduce-scatter then all-gather of n chunks: 2(n-1) steps of S/n bytes
     tree_all_reduce(t)                  binomial tree reduce to rank 0, then broadcast: 2 ceil(log2 n) steps of S
@@ -13,33 +14,29 @@ each rank appends one entry per step: who sent which chunk where, and which rank
 chunks now holds. Those holdings travel with the data (a small mask message beside each chunk), so the record is
 what the ranks really exchanged, not what we expected them to.
 
-In the notebook, `trace("ring")` runs an algorithm on the cluster, checks it against `dist.all_reduce`, gathers
-every rank's record and draws it step by step (`trace(...).figure()`); `message_counts` gives the step and byte
-counts the alpha-beta model charges, from the one cost table (nbdist.collectives.costs).
+`trace_rank` is the engine side of the notebook's `nbdist.collectives.trace` (nbdist/collectives/trace.py): the
+algorithm and the library on the same random tensor, and this rank's record. The step and byte counts, the phase
+names and the chunk sizes come from the one table, nbdist.collectives.costs (plain data, read on both sides).
 
 On nccl, a group's first batch of point-to-point messages must involve all of its ranks (torch's rule for
 `batch_isend_irecv`), which the tree's first round does not for n = 3: run one collective on a fresh group first
-(`trace` does: it runs `dist.all_reduce` before the algorithm).
+(`trace_rank` does: it runs `dist.all_reduce` before the algorithm).
 
 Sums of floating and integer tensors are supported; bool and complex tensors raise DistUsageError (a sum of bools
 is no bool; complex is not needed here, so not tested). A group of one rank is a valid no-op: no steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from nbdist.collectives import costs
-from nbdist.collectives.costs import MessageCount, message_counts  # noqa: F401 (the counts live in the table)
-from nbdist.errors import DistError, DistUsageError
+from nbdist.collectives.costs import REDUCING_PHASES
+from nbdist.engine import groups
+from nbdist.errors import DistUsageError
 
-# phases whose received chunks are added; in the others ("all-gather", "broadcast", "fold-out") they replace ours
-REDUCING_PHASES = ("reduce-scatter", "reduce", "exchange", "fold-in")
 DATA_TAG, MASK_TAG = 0, 1
-RELATIVE_TOLERANCE = 1e-5  # of the largest |sum| (at least 1): the library adds in another order, last bits differ
 
 
 # -- one rank's all-reduce in progress ---------------------------------------------------------------------------
@@ -215,26 +212,13 @@ ALGORITHMS: dict[str, Callable] = {
 }
 
 
-# -- tracing: run on the cluster, check against the library, gather the records (kernel side) -------------------
-
-_GROUPS: dict[int, object] = {}  # engine side: world size -> process group of ranks 0..n-1 (created once)
-
-
-def _group(n: int):
-    """The group of ranks 0..n-1: the default group when that is everyone. Every rank must call this (new_group
-    is collective), so the cache grows the same way on all of them."""
-    if n == dist.get_world_size():
-        return None
-    if n not in _GROUPS:
-        _GROUPS[n] = dist.new_group(list(range(n)))
-    return _GROUPS[n]
-
-
-def _trace_rank(algorithm: str, n: int, size: int, seed: int) -> dict | None:
-    """Engine side of `trace`: the algorithm and the library on the same random tensor, and this rank's record."""
+def trace_rank(algorithm: str, n: int, size: int, seed: int) -> dict | None:
+    """Engine side of `trace`: `algorithm` (a name of the cost table) and `dist.all_reduce` on the same random
+    float32 tensor of `size` elements among ranks 0..n-1, and this rank's record. Call on every rank (the group of
+    ranks 0..n-1 is made once, collectively); None on a rank outside the group."""
     from nbdist.engine.boot import boot
 
-    group = _group(n)
+    group = groups.first_ranks(n)
     if dist.get_rank() >= n:
         return None
     rank = dist.get_rank(group)
@@ -249,99 +233,3 @@ def _trace_rank(algorithm: str, n: int, size: int, seed: int) -> dict | None:
         "max_diff": (ours - expected).abs().max().item() if size else 0.0,
         "scale": expected.abs().max().item() if size else 0.0,
     }
-
-
-@dataclass
-class Trace:
-    """One all-reduce, step by step. `steps[k]`: {"step", "phase", "sends": [(src, dst, chunk)], "holds": per rank,
-    per chunk, the sorted ranks whose contributions it holds after the step}."""
-
-    algorithm: str
-    world_size: int
-    size: int  # float32 elements per rank
-    chunk_sizes: list[int]  # elements of each chunk (one chunk, the whole tensor, for tree and recursive doubling)
-    steps: list[dict]
-    matches_library: bool
-    max_diff: float  # largest |ours - dist.all_reduce| over ranks and elements
-
-    def figure(self):
-        """A plotly figure with one frame per step and a slider (nbdist.viz.collective_steps)."""
-        from nbdist.viz.collective_steps import collective_steps_figure
-
-        return collective_steps_figure(self)
-
-    @property
-    def bytes_sent(self) -> list[int]:
-        """Bytes each rank sent in total (float32), from the record; the largest is `message_counts(...)
-        .busiest_rank_bytes`."""
-        sent = [0] * self.world_size
-        for step in self.steps:
-            for src, _, chunk in step["sends"]:
-                sent[src] += 4 * self.chunk_sizes[chunk]
-        return sent
-
-    @property
-    def critical_path_bytes(self) -> int:
-        """The sum over steps of each step's largest message (float32 bytes), from the record: what the alpha-beta
-        model charges beta for (`message_counts(...).critical_path_bytes`)."""
-        return sum(max((4 * self.chunk_sizes[chunk] for _, _, chunk in step["sends"]), default=0)
-                   for step in self.steps)
-
-    def __repr__(self) -> str:
-        verdict = "matches" if self.matches_library else "DIFFERS FROM"
-        steps = f"{len(self.steps)} step" + ("" if len(self.steps) == 1 else "s")
-        return (
-            f"<{self.algorithm} all-reduce on {self.world_size} ranks, {self.size} floats: {steps}, "
-            f"{verdict} dist.all_reduce (max diff {self.max_diff:.2g})>"
-        )
-
-
-def trace(algorithm: str, world_size: int | None = None, size: int = 1024, cluster=None, *, seed: int = 0,
-          timeout: float | None = 120.0) -> Trace:
-    """Run `algorithm` ("ring", "tree", "recursive-doubling", or the alias "recursive_doubling") on ranks
-    0..world_size-1 of the cluster (default: all) on random float32 tensors of `size` elements, check it equals
-    `dist.all_reduce` of the same tensors (DistError if not), and return every rank's record merged step by step.
-    `.figure()` draws it."""
-    from nbdist.cluster import current
-
-    algorithm = costs.canonical(algorithm)  # one spelling, one alias, checked in one place
-    cluster = cluster or current()
-    n = cluster.world_size if world_size is None else world_size
-    if not isinstance(n, int) or not 2 <= n <= cluster.world_size:
-        raise DistUsageError(f"world_size must be 2..{cluster.world_size} (the cluster's ranks), got {world_size!r}"
-                             " - one rank has nothing to reduce")
-    if not isinstance(size, int) or size < 1:
-        raise DistUsageError(f"size must be a positive number of elements, got {size!r}")
-    results = cluster.run(_trace_rank, algorithm, n, size, seed, timeout=timeout)[:n]
-    max_diff = max(r["max_diff"] for r in results)
-    scale = max(r["scale"] for r in results)
-    if not max_diff <= RELATIVE_TOLERANCE * max(scale, 1.0):
-        raise DistError(f"{algorithm} all-reduce differs from dist.all_reduce by up to {max_diff:.3g} "
-                        f"(largest |sum| {scale:.3g}) on {n} ranks, {size} elements")
-    steps = _merge([r["record"] for r in results], algorithm)
-    chunks = n if algorithm == "ring" else 1
-    sizes = [len(c) for c in torch.empty(size).tensor_split(chunks)]
-    return Trace(algorithm, n, size, sizes, steps, True, max_diff)
-
-
-def _merge(records: list[list[dict]], algorithm: str) -> list[dict]:
-    """Per-rank records -> per-step entries with everyone's sends and holdings; checks the ranks agree and that
-    every chunk ends fully reduced everywhere (the record's own proof of the result)."""
-    n = len(records)
-    phases = [[entry["phase"] for entry in record] for record in records]
-    if any(p != phases[0] for p in phases):
-        raise DistError(f"{algorithm}: the ranks recorded different steps: {phases}")
-    steps = [
-        {
-            "step": k + 1,
-            "phase": phase,
-            "sends": sorted(send for record in records for send in record[k]["sends"]),
-            "holds": [record[k]["holds"] for record in records],
-        }
-        for k, phase in enumerate(phases[0])
-    ]
-    everyone = list(range(n))
-    missing = [(r, c) for r, holds in enumerate(steps[-1]["holds"]) for c, h in enumerate(holds) if h != everyone]
-    if missing:
-        raise DistError(f"{algorithm}: after the last step (rank, chunk) {missing} lack some ranks' contributions")
-    return steps

@@ -1,9 +1,13 @@
-"""torch.distributed names that changed between the torch versions nbdist supports: one place picks what is there.
+"""torch.distributed names that changed between the torch versions nbdist supports: one place picks what is there
+(runs ON the engines: it imports torch.distributed).
 
 torch 2.13 names the tensor forms of all-gather and reduce-scatter `all_gather_single` and `reduce_scatter_single`;
 older releases (nbdist supports torch >= 2.4, see pyproject.toml) have only `all_gather_into_tensor` and
 `reduce_scatter_tensor`. Both take (output, input, ...) in the same order, so code written against these two names
-runs on either. Runs on the engines (it imports torch.distributed).
+runs on either:
+
+    %%dist
+    from nbdist.engine.compat import all_gather_single, reduce_scatter_single
 """
 import torch.distributed as dist
 

@@ -5,6 +5,12 @@ averaged gradient. nbdist's engines already form an MPI world, and MPICH's share
 TCP loopback by 2-5x for the bucket sizes DDP uses (1-25 MB), so on CPU the hook can skip gloo entirely:
 `mpi_allreduce_hook` sums the bucket's own memory in place (a numpy view, `MPI.IN_PLACE`, no copy).
 
+Any process group works, not only the whole world: DDP over a mesh's dp dimension averages within each replica
+group. The MPI hooks then talk on an MPI communicator of the same ranks in the same order (torch rank = MPI rank on
+nbdist's engines), made once per group and kept in the engine registry, or the mesh's own communicator of that
+dimension (nbdist/engine/groups.py). Making it is collective over the group's members: exactly the ranks that
+build the DDP model and call `register_hook` (building DDP is collective over them too).
+
 Compression hooks trade accuracy for bytes: fp16 / bf16 (torch's own hooks on DDP's process group), top-k with
 error feedback (over MPI) and PowerSGD (torch's). Every hook records what this rank sends per step in its state,
 so a notebook can plot bytes sent against final loss; `register_hook(ddp_model, name)` builds the state and
@@ -31,6 +37,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from nbdist.checks import whole_number
+from nbdist.engine import groups
 from nbdist.errors import DistUsageError
 
 Future = torch.futures.Future
@@ -52,6 +60,7 @@ class HookState:
 
     name: str = "mpi"
     process_group: Any = None  # torch.distributed group for the hooks that run on torch (None: the world)
+    comm: Any = None  # the MPI communicator of the same ranks, for the MPI hooks (None: MPI.COMM_WORLD)
     bytes_per_step: list = field(default_factory=list)
     full_bytes_per_step: list = field(default_factory=list)
     buckets_per_step: list = field(default_factory=list)
@@ -80,7 +89,11 @@ class HookState:
         return sum(self.full_bytes_per_step) / self.bytes_sent if self.bytes_sent else float("nan")
 
 
-def _world():
+def _comm(state: Any):
+    """The MPI communicator a hook averages over: its state's, or the whole MPI world (state None or unset)."""
+    comm = getattr(state, "comm", None)
+    if comm is not None:
+        return comm
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
@@ -111,7 +124,8 @@ def _done(tensor: torch.Tensor) -> Future:
 
 
 def mpi_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over MPI.COMM_WORLD in place; a completed future of the bucket's buffer.
+    """Average the bucket in place over the state's MPI communicator (DDP's process group's ranks; MPI.COMM_WORLD
+    when `state` is None); a completed future of the bucket's buffer.
 
     Divides before summing, as DDP's own all-reduce does (with 2 ranks the result is then bit-identical to gloo's;
     with more, only the order of the sum differs). `state` may be None (nothing recorded) or a HookState.
@@ -123,7 +137,7 @@ def mpi_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
     _check_cpu(buffer, "the MPI all-reduce hook")
     from mpi4py import MPI
 
-    comm = _world()
+    comm = _comm(state)
     array = _as_numpy(buffer)  # the bucket's own memory
     buffer.div_(comm.size)
     comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)  # blocking: see the module docstring
@@ -172,8 +186,9 @@ class TopKState(HookState):
     _by_param: dict = field(default_factory=dict)  # id(param) -> residual, between a regrouping and its use
 
     def exchange(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather every rank's indices and values (the same k on every rank); rows in rank order."""
-        comm = _world()
+        """All-gather every rank's indices and values (the same k on every rank) over the group's MPI communicator;
+        rows in group rank order."""
+        comm = _comm(self)
         all_indices = indices.new_empty((comm.size, indices.numel()))
         all_values = values.new_empty((comm.size, values.numel()))
         comm.Allgather(indices.numpy(), all_indices.numpy())
@@ -282,10 +297,8 @@ def _topk_state(group: Any, ratio: float = 0.01) -> TopKState:
 
 
 def _powersgd_state(group: Any, rank: int = 1, start_iter: int = 2) -> PowerSGDHookState:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise DistUsageError(f"PowerSGD rank must be a positive integer, got {rank!r}")
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
-        raise DistUsageError(f"PowerSGD start_iter must be an integer >= 2 (error feedback), got {start_iter!r}")
+    whole_number(rank, "PowerSGD rank")
+    whole_number(start_iter, "PowerSGD start_iter (error feedback needs stable buckets)", minimum=2)
     inner = powerSGD_hook.PowerSGDState(
         process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
     )
@@ -307,27 +320,29 @@ def _on_cpu(ddp_model: DistributedDataParallel) -> bool:
     return all(p.device.type == "cpu" for p in ddp_model.parameters())
 
 
-def _mpi_matches(group: Any) -> bool:
-    """MPI hooks average over MPI.COMM_WORLD: only right when DDP's group is the whole world, in MPI's order
-    (nbdist's engines initialise torch.distributed with rank = MPI rank)."""
-    group = group if group is not None else dist.group.WORLD
+def _mpi_mirrors_torch() -> bool:
+    """Whether MPI's world is torch.distributed's, rank for rank (so a torch group's ranks name MPI ranks): true on
+    nbdist's engines, which initialise torch.distributed with rank = MPI rank."""
     try:
-        comm = _world()
+        from mpi4py import MPI
     except ImportError:
         return False
-    return dist.get_world_size(group) == comm.size and dist.get_rank(group) == comm.rank
+    world = MPI.COMM_WORLD
+    return (world.rank, world.size) == (dist.get_rank(), dist.get_world_size())
 
 
 def _check_mpi_usable(ddp_model: DistributedDataParallel, name: str) -> None:
     if not _on_cpu(ddp_model):
         raise DistUsageError(f"hook {name!r} moves CPU tensors only (MPI reads their memory); the model is not on CPU")
-    if not _mpi_matches(ddp_model.process_group):
-        raise DistUsageError(f"hook {name!r} averages over the MPI world, but DDP's process group is not that world")
+    if not _mpi_mirrors_torch():
+        raise DistUsageError(f"hook {name!r} talks over MPI, but this rank's MPI world is not torch.distributed's "
+                             f"(torch rank {dist.get_rank()} of {dist.get_world_size()}): use hook='gloo'")
 
 
 def choose(ddp_model: DistributedDataParallel) -> str:
-    """What name="auto" picks: "mpi" for CPU models whose DDP group is the MPI world, else "gloo"."""
-    return "mpi" if _on_cpu(ddp_model) and _mpi_matches(ddp_model.process_group) else "gloo"
+    """What name="auto" picks: "mpi" for CPU models when MPI's world is torch's (any DDP process group), else
+    "gloo"."""
+    return "mpi" if _on_cpu(ddp_model) and _mpi_mirrors_torch() else "gloo"
 
 
 def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
@@ -348,7 +363,7 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
             f"PowerSGD on gloo fails (hangs or aborts) with more than one gradient bucket (seen with torch 2.13): "
             f"build DDP with "
             f"bucket_cap_mb >= {need} so that all {nbytes / 2**20:.1f} MiB of gradients make one bucket "
-            f"(nbdist.data_parallel.ddp(..., hook='powersgd') does this)"
+            f"(nbdist.engine.ddp.ddp(..., hook='powersgd') does this)"
         )
 
 
@@ -359,7 +374,8 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
     counted), "fp16", "bf16", "topk" (option ratio, default 0.01), "powersgd" (options rank, default 1, and
     start_iter, default 2: plain all-reduce before it) and "auto".
 
-    "auto" = "mpi" on CPU when DDP's process group is the MPI world (always so on nbdist's engines), else "gloo".
+    "auto" = "mpi" on CPU when MPI's world is torch's (always so on nbdist's engines), whatever DDP's process
+    group (the MPI hooks talk on a communicator of the group's ranks), else "gloo".
     Why "auto" is MPI on CPU, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine, MLPs of
     L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two runs):
 
@@ -390,5 +406,7 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
         _check_one_bucket(ddp_model)
     make_state, hook = HOOKS[name]
     state = make_state(ddp_model.process_group, **options)
+    if name in ("mpi", "topk"):
+        state.comm = groups.mpi_comm(groups.group_ranks(ddp_model.process_group))
     ddp_model.register_comm_hook(state, hook)
     return state
