@@ -27,18 +27,12 @@ ipyparallel logs its own progress to stderr; the table goes to stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-
-
-from common import ProcessWatch, put_mpiexec_on_path, quantile  # noqa: E402 (benchmarks/ is on sys.path)
+from common import Measure, Run, put_mpiexec_on_path
 
 put_mpiexec_on_path()
 
@@ -47,88 +41,35 @@ import ipyparallel as ipp  # noqa: E402 - imported before any timing, after PATH
 import nbdist  # noqa: E402
 
 N_ENGINES = 2
+CELL = "a = 1"
 
 
-# -- results ------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Measure:
-    """One row of the table: samples of both sides and the target they are judged by."""
-
-    name: str
-    unit: str
-    nbdist_samples: list[float]
-    anchor_samples: list[float]
-    target_kind: str  # "ratio": nbdist/anchor <= limit; "absolute": nbdist <= limit (in `unit`)
-    limit: float
-    notes: dict = field(default_factory=dict)
-
-    @property
-    def nbdist(self) -> float:
-        return statistics.median(self.nbdist_samples)
-
-    @property
-    def anchor(self) -> float:
-        return statistics.median(self.anchor_samples)
-
-    @property
-    def ratio(self) -> float:
-        return self.nbdist / self.anchor
-
-    @property
-    def target(self) -> str:
-        return f"ratio <= {self.limit:g}" if self.target_kind == "ratio" else f"nbdist <= {self.limit:g} {self.unit}"
-
-    @property
-    def passed(self) -> bool:
-        value = self.ratio if self.target_kind == "ratio" else self.nbdist
-        return value <= self.limit
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "unit": self.unit,
-            "nbdist_median": self.nbdist,
-            "anchor_median": self.anchor,
-            "ratio": self.ratio,
-            "target": self.target,
-            "passed": self.passed,
-            "nbdist_samples": self.nbdist_samples,
-            "anchor_samples": self.anchor_samples,
-            **self.notes,
-        }
-
-
-# -- process bookkeeping ------------------------------------------------------------------------------------------
-
-
-class Tracker(ProcessWatch):
-    """Everything this run started (nbdist clusters and plain ipyparallel ones), to stop it all and check."""
+class ClusterRun(Run):
+    """This run's clusters: nbdist's (timed here, so started directly) and plain ipyparallel ones."""
 
     def __init__(self) -> None:
         super().__init__()
         self.plain: list[ipp.Cluster] = []
 
     def stop_all(self) -> None:
-        nbdist.stop()
         for cluster in self.plain:
             try:
                 cluster.stop_cluster_sync()
             except Exception as e:  # noqa: BLE001 - keep stopping the others
                 print(f"warning: stopping plain ipyparallel cluster {cluster.cluster_id} failed: {e}", file=sys.stderr)
         self.plain.clear()
+        super().stop_all()
 
 
 # -- 1 and 2: start and stop --------------------------------------------------------------------------------------
 
 
-def nbdist_cycle(tracker: Tracker) -> dict[str, float]:
+def nbdist_cycle(run: ClusterRun) -> dict[str, float]:
     """Start nbdist's cluster, then stop it; seconds for each, and nbdist's own startup_seconds."""
     started = time.perf_counter()
     cluster = nbdist.start(N_ENGINES)
     start_s = time.perf_counter() - started
-    tracker.track(cluster)
+    run.track(cluster)
     assert cluster.world_size == N_ENGINES
     boot = max(row.get("boot_seconds", float("nan")) for row in cluster.status().rows)  # untimed
     started = time.perf_counter()
@@ -137,11 +78,11 @@ def nbdist_cycle(tracker: Tracker) -> dict[str, float]:
     return {"start": start_s, "stop": stop_s, "own_startup": cluster.startup_seconds, "engine_boot": boot}
 
 
-def plain_cycle(tracker: Tracker) -> dict[str, float]:
+def plain_cycle(run: ClusterRun) -> dict[str, float]:
     """Start plain ipyparallel MPI engines with its defaults, then stop them; seconds for each."""
     cluster = ipp.Cluster(engines="mpi", n=N_ENGINES)
-    tracker.plain.append(cluster)
-    tracker.cluster_ids.add(cluster.cluster_id)
+    run.plain.append(cluster)
+    run.cluster_ids.add(cluster.cluster_id)
     started = time.perf_counter()
     client = cluster.start_and_connect_sync()
     start_s = time.perf_counter() - started
@@ -150,37 +91,34 @@ def plain_cycle(tracker: Tracker) -> dict[str, float]:
     started = time.perf_counter()
     cluster.stop_cluster_sync()
     stop_s = time.perf_counter() - started
-    tracker.plain.remove(cluster)
+    run.plain.remove(cluster)
     return {"start": start_s, "stop": stop_s}
 
 
-def measure_life_cycle(tracker: Tracker, repeats: int, warmup: int, settle: float) -> list[Measure]:
+def measure_life_cycle(run: ClusterRun, repeats: int, warmup: int, settle: float) -> list[Measure]:
     """Alternate nbdist and plain cycles (alternating who goes first); the warm-up cycles are not recorded."""
     ours: list[dict[str, float]] = []
     theirs: list[dict[str, float]] = []
     for i in range(warmup + repeats):
         pair: list[tuple[Callable, list]] = [(nbdist_cycle, ours), (plain_cycle, theirs)]
         for cycle, samples in pair if i % 2 == 0 else reversed(pair):
-            result = cycle(tracker)
+            result = cycle(run)
             if i >= warmup:
                 samples.append(result)
             time.sleep(settle)
-        _progress(i, warmup, ours, theirs)
+        if i < warmup:
+            run.log(f"  warm-up cycle {i + 1}/{warmup} done")
+        else:
+            a, b = ours[-1], theirs[-1]
+            run.log(f"  repetition {i - warmup + 1}: start nbdist {a['start']:.2f} s, ipyparallel {b['start']:.2f} s;"
+                    f" stop nbdist {a['stop']:.3f} s, ipyparallel {b['stop']:.2f} s")
     notes = {"nbdist_own_startup_seconds": [r["own_startup"] for r in ours],
              "nbdist_engine_boot_seconds": [r["engine_boot"] for r in ours]}
-    start = Measure("start to ready", "s", [r["start"] for r in ours], [r["start"] for r in theirs], "ratio", 0.4,
-                    notes)
-    stop = Measure("stop", "s", [r["stop"] for r in ours], [r["stop"] for r in theirs], "absolute", 1.5)
+    start = Measure(f"start to ready, {N_ENGINES} engines", "s", [r["start"] for r in ours],
+                    [r["start"] for r in theirs], "ratio<=", 0.4, anchor_name="ipyparallel", notes=notes)
+    stop = Measure("stop", "s", [r["stop"] for r in ours], [r["stop"] for r in theirs], "abs<=", 1.5,
+                   anchor_name="ipyparallel")
     return [start, stop]
-
-
-def _progress(i: int, warmup: int, ours: list[dict], theirs: list[dict]) -> None:
-    if i < warmup:
-        print(f"  warm-up cycle {i + 1}/{warmup} done", flush=True)
-        return
-    a, b = ours[-1], theirs[-1]
-    print(f"  repetition {i - warmup + 1}: start nbdist {a['start']:.2f} s, ipyparallel {b['start']:.2f} s; "
-          f"stop nbdist {a['stop']:.3f} s, ipyparallel {b['stop']:.2f} s", flush=True)
 
 
 # -- 3: %%dist against %%px ---------------------------------------------------------------------------------------
@@ -203,9 +141,6 @@ def _timed_calls(call: Callable[[], object], count: int) -> list[float]:
     return samples
 
 
-CELL = "a = 1"
-
-
 def _interleaved(sides: dict[str, Callable[[], object]], calls: int, block: int) -> tuple[dict, list[float]]:
     """Alternate blocks of `block` calls of each side (who goes first alternates too); seconds per call per side,
     and each block's ratio of the first side's median to the second's."""
@@ -222,11 +157,11 @@ def _interleaved(sides: dict[str, Callable[[], object]], calls: int, block: int)
     return samples, ratios
 
 
-def measure_round_trip(tracker: Tracker, calls: int, block: int, warmup: int) -> Measure:
+def measure_round_trip(run: ClusterRun, calls: int, block: int, warmup: int) -> Measure:
     """%%dist vs %%px of CELL on the same engines, both through run_cell_magic; milliseconds per call."""
     shell = _shell()
     cluster = nbdist.start(N_ENGINES)
-    tracker.track(cluster)
+    run.track(cluster)
     try:
         view = cluster._view(list(range(cluster.world_size)))
         view.block = True  # as ipyparallel's own start_and_connect(activate=True) does
@@ -243,62 +178,15 @@ def measure_round_trip(tracker: Tracker, calls: int, block: int, warmup: int) ->
     finally:
         cluster.stop()
     ours, theirs = ([x * 1e3 for x in samples[side]] for side in ("dist", "px"))
-    notes = {"calls_per_side": len(ours), "block": block, "block_ratios": ratios,
-             "nbdist_p90": quantile(ours, 0.9), "anchor_p90": quantile(theirs, 0.9)}
-    return Measure(f"'{CELL}' cell: %%dist vs %%px", "ms", ours, theirs, "ratio", 1.2, notes)
+    return Measure(f"'{CELL}' cell: %%dist vs %%px", "ms", ours, theirs, "ratio<=", 1.2, anchor_name="%%px",
+                   repetitions=ratios, per=f"block ({block} calls)", notes={"block": block})
 
 
-
-
-# -- report -------------------------------------------------------------------------------------------------------
-
-
-def table(measures: list[Measure]) -> str:
-    header = ["measure", "nbdist", "ipyparallel", "ratio", "target", "result"]
-    rows = [[m.name + f" ({m.unit})", _fmt(m.nbdist, m.unit), _fmt(m.anchor, m.unit), f"{m.ratio:.2f}", m.target,
-             "PASS" if m.passed else "MISS"] for m in measures]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _fmt(value: float, unit: str) -> str:
-    return f"{value:.2f}" if unit == "ms" or value >= 1 else f"{value:.3f}"
-
-
-def spreads(measures: list[Measure]) -> str:
-    lines = []
-    for m in measures:
-        for side, xs in (("nbdist", m.nbdist_samples), ("ipyparallel", m.anchor_samples)):
-            if m.unit == "s":
-                lines.append(f"{m.name} {side}: " + ", ".join(f"{x:.3f}" for x in xs)
-                             + f" s (spread {max(xs) - min(xs):.3f} s)")
-            else:
-                lines.append(f"{m.name} {side}: median {statistics.median(xs):.2f} ms, p90 {quantile(xs, 0.9):.2f} ms,"
-                             f" min {min(xs):.2f} ms over {len(xs)} calls")
-        if "nbdist_own_startup_seconds" in m.notes:
-            own = m.notes["nbdist_own_startup_seconds"]
-            lines.append("nbdist's own startup_seconds: " + ", ".join(f"{x:.3f}" for x in own) + " s")
-            boot = m.notes["nbdist_engine_boot_seconds"]
-            lines.append("  of which engine boot (mpi4py, import torch, process group; slowest rank): "
-                         + ", ".join(f"{x:.3f}" for x in boot) + " s")
-        if "block_ratios" in m.notes:
-            r = m.notes["block_ratios"]
-            spread = f"min {min(r):.2f}, median {statistics.median(r):.2f}, max {max(r):.2f}"
-            lines.append(f"per-block ratio %%dist/%%px: {spread}")
-    return "\n".join(lines)
-
-
-def environment() -> dict:
-    return {
-        "python": platform.python_version(),
-        "ipyparallel": ipp.__version__,
-        "nbdist": nbdist.__version__,
-        "cpus": os.cpu_count(),
-        "machine": platform.platform(),
-        "engines": N_ENGINES,
-    }
+def details(measures: list[Measure]) -> str:
+    notes = measures[0].notes
+    return ("nbdist's own startup_seconds: " + ", ".join(f"{x:.3f}" for x in notes["nbdist_own_startup_seconds"])
+            + " s\n  of which engine boot (mpi4py, import torch, process group; slowest rank): "
+            + ", ".join(f"{x:.3f}" for x in notes["nbdist_engine_boot_seconds"]) + " s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -317,28 +205,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tracker = Tracker()
-    try:
-        print(f"start/stop: {args.warmup} warm-up + {args.repeats} timed cycles per side, interleaved", flush=True)
-        measures = measure_life_cycle(tracker, args.repeats, args.warmup, args.settle)
-        print(f"round trips: {args.calls} per side in blocks of {args.block}, interleaved", flush=True)
-        measures.append(measure_round_trip(tracker, args.calls, args.block, warmup=20))
-    finally:
-        tracker.stop_all()
-        left = tracker.leftovers()
-        if left:
-            print("warning: processes left running:\n  " + "\n  ".join(left), file=sys.stderr)
-    print()
-    print(table(measures))
-    print()
-    print(spreads(measures))
-    print("leftover processes: " + ("none" if not left else "\n  " + "\n  ".join(left)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "measures": [m.as_dict() for m in measures],
-                       "leftover_processes": left}, f, indent=2)
-        print(f"results written to {args.json}")
-    return 0 if all(m.passed for m in measures) and not left else 1
+    with ClusterRun() as run:
+        run.log(f"start/stop: {args.warmup} warm-up + {args.repeats} timed cycles per side, interleaved")
+        measures = measure_life_cycle(run, args.repeats, args.warmup, args.settle)
+        run.log(f"round trips: {args.calls} per side in blocks of {args.block}, interleaved")
+        measures.append(measure_round_trip(run, args.calls, args.block, warmup=20))
+    settings = {"engines": N_ENGINES, "repeats": args.repeats, "calls": args.calls, "block": args.block}
+    return run.finish(measures, details(measures), True, args.json, settings)
 
 
 if __name__ == "__main__":

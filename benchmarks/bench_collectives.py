@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""nbdist's collectives benchmark against a plain torch.distributed timing loop on the same engines, in one run.
+"""Does nbdist's collectives benchmark measure what a plain torch.distributed timing loop measures (0.95x at least)?
 
 What is measured (2 MPI engines from `nbdist.start(2)`, torch.distributed/gloo initialised by nbdist):
 
@@ -11,6 +11,7 @@ What is measured (2 MPI engines from `nbdist.start(2)`, torch.distributed/gloo i
    Every repetition runs every size on both sides, who goes first alternating (by size and repetition); the
    ratio nbdist busbw / plain busbw is taken per repetition, its median per size, and the median of those over
    the sizes. Target: median ratio >= 0.95 (per-size rows are shown, informative).
+Also shown, for context (not counted):
 2. torch (gloo) against MPI (mpi4py on the same tensors' memory): all-reduce busbw and time at each size, both
    through `nbdist.collectives.benchmark(via=("torch", "mpi"))`, which alternates the two at each size; medians
    over the repetitions, beside the figures the issue quotes (2 engines: 1 KiB 1.5 ms vs 8 us, 4 MiB 3.1 ms vs
@@ -28,22 +29,18 @@ and no process was left running. ipyparallel logs to stderr; the tables go to st
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 
-
-
-from common import ClusterTracker, put_mpiexec_on_path  # noqa: E402 (benchmarks/ is on sys.path)
+from common import Measure, Run, format_table, put_mpiexec_on_path
 
 put_mpiexec_on_path()
 
 import nbdist  # noqa: E402
-from nbdist.collectives import fit_alpha_beta  # noqa: E402
-from nbdist.collectives.sweep import BenchmarkResult, format_bytes  # noqa: E402
+import on_ranks  # noqa: E402
+from nbdist.collectives.sweep import BenchmarkResult  # noqa: E402
 from nbdist.collectives.sweep import benchmark as nbdist_benchmark  # noqa: E402
+from nbdist.units import format_bytes  # noqa: E402
 
 N_ENGINES = 2
 RATIO_TARGET = 0.95
@@ -52,30 +49,9 @@ WARMUP = 5
 ISSUE_QUOTES = {1024: (1.5e-3, 8e-6), 4 * 2**20: (3.1e-3, 0.64e-3), 16 * 2**20: (11e-3, 3.1e-3)}  # gloo, MPI s
 
 
-# -- the plain script, run on the engines ------------------------------------------------------------------------
-# ipyparallel sends a function defined in __main__ as its code; it imports what it needs inside (keep it so: a
-# linter's fix moving the imports out would break it on the engines).
-
-
-def _engine_plain_all_reduce(nbytes: int, k: int, warmup: int) -> float:
-    """What one writes by hand: a buffer, warm-up, a barrier, k all-reduces timed; seconds per all-reduce."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    x = torch.ones(nbytes // 4)
-    for _ in range(warmup):
-        dist.all_reduce(x)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(k):
-        dist.all_reduce(x)
-    return (time.perf_counter() - start) / k
-
-
 def plain_busbw(cluster: nbdist.Cluster, size: int, k: int) -> float:
-    seconds = max(cluster.run(_engine_plain_all_reduce, size, k, WARMUP))
+    """busbw (GB/s) of the plain loop: the slowest rank's seconds per all-reduce, nccl-tests' factor 2(n-1)/n."""
+    seconds = max(cluster.run(on_ranks.plain_all_reduce, size, k, WARMUP))
     n = cluster.world_size
     return size / seconds / 1e9 * 2 * (n - 1) / n
 
@@ -84,62 +60,37 @@ def nbdist_row(cluster: nbdist.Cluster, size: int, via=("torch",)) -> BenchmarkR
     return nbdist_benchmark(ops=("all_reduce",), via=via, sizes=(size,), cluster=cluster, warmup=WARMUP)
 
 
-# -- process bookkeeping ------------------------------------------------------------------------------------------
+# -- the question: nbdist against the plain loop ------------------------------------------------------------------
 
 
-Tracker = ClusterTracker
-
-
-# -- 1: nbdist against the plain loop -----------------------------------------------------------------------------
-
-
-def measure_against_plain(cluster: nbdist.Cluster, sizes: list[int], repeats: int, log) -> dict:
-    """Per size: nbdist's and the plain loop's busbw per repetition (interleaved), and their ratios."""
+def measure_against_plain(cluster: nbdist.Cluster, sizes: list[int], repeats: int, log) -> tuple[list[Measure], dict]:
+    """Per size, nbdist's and the plain loop's busbw per repetition (interleaved): one row each (informative),
+    and the counted row: the median over the sizes of the per-size median ratios."""
     iters = {}
     for size in sizes:  # untimed round: warms both sides up and fixes the plain loop's k to nbdist's choice
         iters[size] = nbdist_row(cluster, size)[0]["iters"]
         plain_busbw(cluster, size, iters[size])
-    samples = {size: {"nbdist": [], "plain": [], "nbdist_iters": []} for size in sizes}
+    ours: dict[int, list[float]] = {size: [] for size in sizes}
+    plain: dict[int, list[float]] = {size: [] for size in sizes}
     for rep in range(repeats):
         for i, size in enumerate(sizes):
             for side in ("nbdist", "plain") if (rep + i) % 2 == 0 else ("plain", "nbdist"):
                 if side == "nbdist":
-                    row = nbdist_row(cluster, size)[0]
-                    samples[size]["nbdist"].append(row["busbw"])
-                    samples[size]["nbdist_iters"].append(row["iters"])
+                    ours[size].append(nbdist_row(cluster, size)[0]["busbw"])
                 else:
-                    samples[size]["plain"].append(plain_busbw(cluster, size, iters[size]))
-        ratios = [samples[s]["nbdist"][-1] / samples[s]["plain"][-1] for s in sizes]
+                    plain[size].append(plain_busbw(cluster, size, iters[size]))
         log(f"  repetition {rep + 1}/{repeats}: nbdist/plain busbw per size "
-            + " ".join(f"{r:.2f}" for r in ratios))
-    for size in sizes:
-        s = samples[size]
-        s["plain_iters"] = iters[size]
-        s["ratios"] = [a / b for a, b in zip(s["nbdist"], s["plain"])]
-        s["ratio_median"] = statistics.median(s["ratios"])
-    return samples
+            + " ".join(f"{ours[s][-1] / plain[s][-1]:.2f}" for s in sizes))
+    rows = [Measure(f"all_reduce {format_bytes(size)} busbw, via torch (gloo)", "GB/s", ours[size], plain[size],
+                    "ratio>=", RATIO_TARGET, counts=False, anchor_name="plain loop",
+                    notes={"plain_iters": iters[size]}) for size in sizes]
+    medians = [statistics.median(m.per_repetition) for m in rows]
+    overall = Measure("all sizes: median of the per-size median ratios nbdist/plain", "x", medians, [], "abs>=",
+                      RATIO_TARGET, anchor_name="plain loop", notes={"per_size_median_ratio": medians})
+    return rows + [overall], iters
 
 
-def plain_table(samples: dict) -> tuple[str, float]:
-    header = ["all_reduce via torch (gloo)", "nbdist busbw (GB/s)", "plain busbw (GB/s)", "ratio", "spread",
-              "target", "result"]
-    rows = []
-    for size, s in samples.items():
-        spread = f"{min(s['ratios']):.2f}..{max(s['ratios']):.2f}"
-        rows.append([format_bytes(size), f"{statistics.median(s['nbdist']):.4f}",
-                     f"{statistics.median(s['plain']):.4f}", f"{s['ratio_median']:.3f}", spread,
-                     f"ratio >= {RATIO_TARGET:g}", _verdict(s["ratio_median"]) + " (info)"])
-    overall = statistics.median(s["ratio_median"] for s in samples.values())
-    rows.append(["all sizes: median of the per-size ratios", "", "", f"{overall:.3f}", "",
-                 f"ratio >= {RATIO_TARGET:g}", _verdict(overall)])
-    return _format(header, rows), overall
-
-
-def _verdict(ratio: float) -> str:
-    return "PASS" if ratio >= RATIO_TARGET else "MISS"
-
-
-# -- 2: gloo against MPI ------------------------------------------------------------------------------------------
+# -- context: gloo against MPI, the sweep, the fits ---------------------------------------------------------------
 
 
 def measure_gloo_vs_mpi(cluster: nbdist.Cluster, sizes: list[int], repeats: int, log) -> dict:
@@ -150,14 +101,11 @@ def measure_gloo_vs_mpi(cluster: nbdist.Cluster, sizes: list[int], repeats: int,
             for row in nbdist_row(cluster, size, via=("torch", "mpi") if rep % 2 == 0 else ("mpi", "torch")):
                 out[size][row["via"]]["seconds"].append(row["seconds"])
                 out[size][row["via"]]["busbw"].append(row["busbw"])
-                out[size][row["via"]]["backend"] = row["backend"]
         log(f"  repetition {rep + 1}/{repeats} done")
     return out
 
 
 def gloo_vs_mpi_table(data: dict) -> str:
-    header = ["all_reduce", "gloo time", "MPI time", "gloo busbw (GB/s)", "MPI busbw (GB/s)", "MPI speed-up",
-              "issue quote gloo / MPI"]
     rows = []
     for size, per in data.items():
         t_gloo, t_mpi = (statistics.median(per[v]["seconds"]) for v in ("torch", "mpi"))
@@ -165,24 +113,19 @@ def gloo_vs_mpi_table(data: dict) -> str:
         rows.append([format_bytes(size), _time(t_gloo), _time(t_mpi),
                      f"{statistics.median(per['torch']['busbw']):.4f}", f"{statistics.median(per['mpi']['busbw']):.4f}",
                      f"{t_gloo / t_mpi:.1f}x", f"{_time(quote[0])} / {_time(quote[1])}" if quote else ""])
-    return _format(header, rows)
+    return format_table(["all_reduce", "gloo time", "MPI time", "gloo busbw (GB/s)", "MPI busbw (GB/s)",
+                         "MPI speed-up", "issue quote gloo / MPI"], rows)
 
 
 def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
-# -- 3: the whole sweep and the alpha-beta fits -------------------------------------------------------------------
-
-
-def sweep(cluster: nbdist.Cluster, sizes: list[int]) -> BenchmarkResult:
-    return nbdist_benchmark(sizes=sizes, cluster=cluster, warmup=WARMUP)
-
-
 def fits_text(result: BenchmarkResult, n: int = 8) -> tuple[str, dict]:
+    """The alpha-beta fit of the all-reduce through each way, and the ring-vs-tree crossover it predicts."""
     lines, out = [], {}
     for via in ("torch", "mpi"):
-        fit = fit_alpha_beta(result, op="all_reduce", via=via)
+        fit = result.fit("all_reduce", via)
         crossover = fit.crossover(n)
         out[via] = {"alpha_s": fit.alpha, "beta_s_per_byte": fit.beta, "bandwidth_gbps": fit.bandwidth / 1e9,
                     f"ring_beats_tree_above_bytes_n{n}": crossover}
@@ -191,25 +134,15 @@ def fits_text(result: BenchmarkResult, n: int = 8) -> tuple[str, dict]:
     return "\n".join(lines), out
 
 
-# -- report -------------------------------------------------------------------------------------------------------
-
-
-def _format(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def environment(args, cluster_backend: str) -> dict:
-    import ipyparallel
-    import mpi4py
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "mpi4py": mpi4py.__version__,
-            "ipyparallel": ipyparallel.__version__, "nbdist": nbdist.__version__, "cpus": os.cpu_count(),
-            "machine": platform.platform(), "engines": N_ENGINES, "backend": cluster_backend,
-            "repeats": args.repeats, "sizes": args.sizes}
+def details(iters: dict, gloo_vs_mpi: dict, sweep: BenchmarkResult | None) -> tuple[str, dict]:
+    parts = ["plain loop: torch.ones buffer, warm-up, dist.barrier(), k dist.all_reduce timed, slowest rank; "
+             "k = nbdist's choice: " + ", ".join(f"{format_bytes(s)} {k}" for s, k in iters.items()),
+             "", gloo_vs_mpi_table(gloo_vs_mpi)]
+    fits = {}
+    if sweep is not None:
+        text, fits = fits_text(sweep)
+        parts += ["", sweep.table(), "", "alpha-beta fits of the all-reduce sweep (relative least squares):", text]
+    return "\n".join(parts), fits
 
 
 def parse_size(text: str) -> int:
@@ -236,66 +169,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tracker = Tracker()
-    results: dict = {}
-    left: list[str] = []
-
-    def log(text: str) -> None:
-        print(text, flush=True)
-        tracker.note_foreign(text.strip()[:60])
-
-    try:
-        log(f"{N_ENGINES} engines: starting")
-        cluster = tracker.start(N_ENGINES)
-        backend = cluster.status().rows[0]["backend"]
-        log(f"1. nbdist vs a plain torch.distributed loop, all_reduce, {len(args.size_list)} sizes, "
-            f"{args.repeats} repetitions")
-        results["plain"] = measure_against_plain(cluster, args.size_list, args.repeats, log)
-        log("2. gloo vs MPI, all_reduce")
-        results["gloo_vs_mpi"] = measure_gloo_vs_mpi(cluster, args.size_list, args.repeats, log)
+    sweep = None
+    with Run() as run:
+        run.log(f"{N_ENGINES} engines: starting")
+        cluster = run.start(N_ENGINES)
+        run.log(f"1. nbdist vs a plain torch.distributed loop, all_reduce, {len(args.size_list)} sizes, "
+                f"{args.repeats} repetitions")
+        measures, iters = measure_against_plain(cluster, args.size_list, args.repeats, run.log)
+        run.log("2. gloo vs MPI, all_reduce")
+        gloo_vs_mpi = measure_gloo_vs_mpi(cluster, args.size_list, args.repeats, run.log)
         if not args.no_sweep:
-            log("3. every op through both ways, once")
-            results["sweep"] = sweep(cluster, args.size_list)
-        cluster.stop()
-    finally:
-        tracker.stop_all()
-        left = tracker.leftovers()
-        if left:
-            print("warning: processes left running:\n  " + "\n  ".join(left), file=sys.stderr)
-    table, overall = plain_table(results["plain"])
-    print()
-    print(table)
-    print()
-    print("plain loop: torch.ones buffer, warm-up, dist.barrier(), k dist.all_reduce timed, slowest rank; "
-          "k = nbdist's choice: " + ", ".join(f"{format_bytes(s)} {v['plain_iters']}"
-                                              for s, v in results["plain"].items()))
-    print()
-    print(gloo_vs_mpi_table(results["gloo_vs_mpi"]))
-    fits = {}
-    if "sweep" in results:
-        print()
-        print(results["sweep"].table())
-        print()
-        print("alpha-beta fits of the all-reduce sweep (relative least squares):")
-        text, fits = fits_text(results["sweep"])
-        print(text)
-    print("leftover processes: " + ("none" if not left else "\n  " + "\n  ".join(left)))
-    if tracker.foreign:
-        print(f"warning: {len(tracker.foreign)} process(es) of another nbdist/ipyparallel run shared the machine "
-              "during this run (figures skewed; rerun when it is quiet):")
-        for line, when in list(tracker.foreign.items())[:8]:
-            print(f"  {line[:100]}  (first seen at: {when})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(args, backend), "target": f"median ratio >= {RATIO_TARGET}",
-                       "median_ratio": overall, "passed": overall >= RATIO_TARGET,
-                       "nbdist_vs_plain": {str(k): v for k, v in results["plain"].items()},
-                       "gloo_vs_mpi": {str(k): v for k, v in results["gloo_vs_mpi"].items()},
-                       "sweep": results["sweep"].to_dicts() if "sweep" in results else None,
-                       "alpha_beta": fits, "leftover_processes": left,
-                       "foreign_processes_seen": tracker.foreign}, f, indent=2)
-        print(f"results written to {args.json}")
-    return 0 if overall >= RATIO_TARGET and not left else 1
+            run.log("3. every op through both ways, once")
+            sweep = nbdist_benchmark(sizes=args.size_list, cluster=cluster, warmup=WARMUP)
+    text, fits = details(iters, gloo_vs_mpi, sweep)
+    settings = {"engines": N_ENGINES, "repeats": args.repeats, "sizes": args.sizes}
+    extra = {"gloo_vs_mpi": {str(k): v for k, v in gloo_vs_mpi.items()},
+             "sweep": sweep.to_dicts() if sweep is not None else None, "alpha_beta": fits}
+    return run.finish(measures, text, True, args.json, settings, extra)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""What the benchmarks run on the engines (imported there: common.Run.start puts benchmarks/ on their path).
+
+Every function here runs on one rank. What a benchmark keeps between calls (torch's pipeline stages, the DDP
+models) lives in nbdist's engine registry under the kind "benchmark", like any nbdist feature's rank state:
+`%dist_status` lists it and a restart clears it.
+"""
+from __future__ import annotations
+
+import time
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from nbdist.engine import pipeline, rank_mesh, registry
+from nbdist.engine.transport import make_transport
+
+KIND = "benchmark"
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# -- nbdist ---------------------------------------------------------------------------------------------------------
+
+
+def nbdist_steps(args: tuple, k: int) -> dict:
+    """k full-speed steps of an nbdist pipeline back to back, each exactly as Pipeline.step runs it
+    (nbdist.engine.pipeline.step with the arguments Pipeline.step_args gives; every step starts with the
+    pipeline's barrier). This rank's start and end (perf_counter, after a barrier) and each step's report."""
+    dist.barrier()
+    start = time.perf_counter()
+    reports = [pipeline.step(*args) for _ in range(k)]
+    return {"start": start, "end": time.perf_counter(), "reports": reports}
+
+
+def pingpong(mesh: str, transport: str, shape: tuple, count: int, tags: tuple) -> list[float]:
+    """Round trips (seconds) of one tensor between pipeline ranks 0 and 1 of `mesh` through nbdist's transport,
+    timed on rank 0 (the others return [])."""
+    me = rank_mesh.here(mesh)
+    t = make_transport(transport, me, torch.device("cpu"))
+    rank = me.coord("pp")
+    buf = torch.ones(shape)
+    dist.barrier()
+    out = []
+    for _ in range(count):
+        started = time.perf_counter()
+        if rank == 0:
+            t.isend(buf, 1, tags[0]).wait()
+            t.irecv(buf, 1, tags[1]).wait()
+        elif rank == 1:
+            t.irecv(buf, 0, tags[0]).wait()
+            t.isend(buf, 0, tags[1]).wait()
+        out.append(time.perf_counter() - started)
+    return out if rank == 0 else []
+
+
+# -- the anchor: torch.distributed.pipelining -----------------------------------------------------------------------
+
+
+class TorchStage:
+    """This rank's torch `PipelineStage` and schedule (ScheduleGPipe / Schedule1F1B) over the same layers nbdist's
+    split gives it, built from the same model function."""
+
+    def __init__(self, build: bytes, ranges: list, schedule: str, microbatches: int, loss_fn: bytes):
+        self.rank, self.p = dist.get_rank(), len(ranges)
+        self.first_layer, end = ranges[self.rank]
+        self.module = torch.nn.Sequential(*list(cloudpickle.loads(build)())[self.first_layer:end])
+        stage = PipelineStage(self.module, self.rank, self.p, device=torch.device("cpu"))
+        self.schedule = TORCH_SCHEDULES[schedule](stage, n_microbatches=microbatches,
+                                                  loss_fn=cloudpickle.loads(loss_fn))
+
+    def step(self, x, y) -> float | None:
+        """One step, gradients cleared first (as nbdist's begin does); the loss on the last rank."""
+        self.module.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(x, return_outputs=False)
+        elif self.rank == self.p - 1:
+            losses = []
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+            return float(torch.stack(losses).mean())
+        else:
+            self.schedule.step(return_outputs=False)
+        return None
+
+    def describe(self) -> str:
+        return f"torch {type(self.schedule).__name__}, stage {self.rank} of {self.p} (benchmark anchor)"
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+def torch_setup(key: str, build: bytes, ranges: list, schedule: str, microbatches: int, loss_fn: bytes) -> str:
+    return registry.put(KIND, key, TorchStage(build, ranges, schedule, microbatches, loss_fn)).describe()
+
+
+def torch_step(key: str, x, y) -> float | None:
+    return registry.get(KIND, key).step(x, y)
+
+
+def torch_steps(key: str, x, y, k: int) -> dict:
+    """k torch steps back to back after a barrier; this rank's start and end (perf_counter)."""
+    stage = registry.get(KIND, key)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(k):
+        stage.step(x, y)
+    return {"start": start, "end": time.perf_counter()}
+
+
+def torch_grads(key: str) -> dict:
+    """This rank's gradients after the last step, and the index of its first layer in the unsplit model."""
+    stage = registry.get(KIND, key)
+    return {"first_layer": stage.first_layer,
+            "grads": {k: p.grad.detach().clone() for k, p in stage.module.named_parameters()}}
+
+
+def drop(key: str) -> None:
+    registry.drop(KIND, key)
+
+
+# -- data parallel: DDP with nbdist's MPI hook against DDP's own all-reduce over gloo -------------------------------
+
+DDP_SIDES = ("mpi", "gloo", "local", "ddp")
+
+
+class DdpSides:
+    """Four copies of one model on this rank (built by the same function, so equal), each with its SGD optimizer
+    and this rank's shard of one global batch:
+      mpi    DistributedDataParallel with its defaults + nbdist's MPI hook (`register_hook(model, "mpi")`);
+      gloo   the same DDP with no hook: DDP's built-in all-reduce over gloo (the anchor);
+      local  the bare model, no DDP: the compute alone;
+      ddp    `nbdist.engine.ddp.ddp(model)` as a notebook gets it (MPI hook, gradient_as_bucket_view=True)."""
+
+    def __init__(self, build: bytes, x, y, lr: float):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from nbdist.engine.ddp import ddp
+        from nbdist.engine.hooks import register_hook
+
+        make = cloudpickle.loads(build)
+        self.shard = x, y
+        self.models, self.optimizers = {}, {}
+        for side in DDP_SIDES:
+            module = make()
+            if side == "local":
+                model = module
+            else:
+                model = ddp(module) if side == "ddp" else DistributedDataParallel(module)
+            self.models[side] = model
+            self.optimizers[side] = torch.optim.SGD(model.parameters(), lr=lr)
+        self.hook_state = register_hook(self.models["mpi"], "mpi")
+
+    def steps(self, side: str, k: int) -> dict:
+        """k training steps of one side after an MPI barrier; this rank's start and end (perf_counter)."""
+        from mpi4py import MPI
+
+        model, optimizer = self.models[side], self.optimizers[side]
+        x, y = self.shard
+        MPI.COMM_WORLD.Barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return {"start": start, "end": time.perf_counter(), "loss": loss.item()}
+
+    def compare(self) -> dict:
+        """Largest parameter difference of the MPI and ddp() sides from the gloo side (equal steps from equal
+        starts), and the MPI side's bucket sizes (bytes)."""
+        diff = 0.0
+        for side in ("mpi", "ddp"):
+            pairs = zip(self.models[side].parameters(), self.models["gloo"].parameters())
+            diff = max(diff, *(float((a - b).detach().abs().max()) for a, b in pairs))
+        return {"max_param_diff": diff, "bucket_bytes": list(self.hook_state.bucket_bytes)}
+
+    def describe(self) -> str:
+        return "DDP sides mpi / gloo / local / ddp() (benchmark)"
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for m in self.models.values() for p in m.parameters())
+
+
+def ddp_setup(key: str, build: bytes, x, y, lr: float) -> int:
+    """Build the four sides from this rank's shard; returns torch's threads on this rank."""
+    registry.put(KIND, key, DdpSides(build, x, y, lr))
+    return torch.get_num_threads()
+
+
+def ddp_steps(key: str, side: str, k: int) -> dict:
+    return registry.get(KIND, key).steps(side, k)
+
+
+def ddp_compare(key: str) -> dict:
+    return registry.get(KIND, key).compare()
+
+
+class _Bucket:
+    """What a DDP hook reads of a gradient bucket: its flat buffer."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+
+def allreduce_latency(sizes: list[int], count: int, repeats: int) -> dict:
+    """Seconds per all-reduce of a float32 bucket of each size (bytes): gloo (`dist.all_reduce`, as DDP's built-in
+    calls it) and nbdist's MPI hook called on a stand-in bucket; interleaved, an MPI barrier before each call,
+    the first two of each side untimed."""
+    from mpi4py import MPI
+
+    from nbdist.engine.hooks import mpi_allreduce_hook
+
+    out = {}
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        calls = {"gloo": lambda: dist.all_reduce(t), "mpi": lambda: mpi_allreduce_hook(None, _Bucket(t)).wait()}
+        samples: dict[str, list[float]] = {"gloo": [], "mpi": []}
+        for rep in range(repeats * count + 2):
+            for side in ("gloo", "mpi") if rep % 2 else ("mpi", "gloo"):
+                MPI.COMM_WORLD.Barrier()
+                started = time.perf_counter()
+                calls[side]()
+                if rep >= 2:
+                    samples[side].append(time.perf_counter() - started)
+        out[str(nbytes)] = samples
+    return out
+
+
+# -- collectives: what one writes by hand to time an all-reduce ------------------------------------------------------
+
+
+def plain_all_reduce(nbytes: int, k: int, warmup: int) -> float:
+    """A float32 buffer of `nbytes`, `warmup` untimed all-reduces, a barrier, k all-reduces timed: seconds each."""
+    x = torch.ones(nbytes // 4)
+    for _ in range(warmup):
+        dist.all_reduce(x)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(k):
+        dist.all_reduce(x)
+    return (time.perf_counter() - start) / k
