@@ -12,19 +12,14 @@ waits politely. On one notebook's cluster those waits are most of the start-up t
 
 Every process we start carries a lifeline (see lifeline.py) to the notebook kernel.
 
-Each cluster gets its own IPython profile directory (connection files, logs, the controller's engine list), made
-here and removed at stop, so the user's ~/.ipython never collects files of stopped clusters (which JupyterLab's
-ipyparallel extension would then report at its next start). A kernel killed with SIGKILL cannot remove it: the
-lifeline does, and every start also removes directories whose kernel is gone.
+Each cluster runs in its own IPython profile directory, removed at stop (cluster_files.py).
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -32,12 +27,10 @@ import ipyparallel as ipp
 import psutil
 
 from nbdist.errors import DistError
-from nbdist.lifeline import OWNER_FILE, WATCH_ENV, owner_of
+from nbdist import cluster_files
+from nbdist.lifeline import WATCH_ENV
 from nbdist.options import ClusterOptions
 
-CLUSTER_DIR_ENV = "NBDIST_CLUSTER_DIR"  # where the clusters' profile directories go (default: see profile_root)
-USER_CONFIG_FILES = ("ipcluster_config", "ipcontroller_config", "ipengine_config")
-STALE_UNOWNED_SECONDS = 60.0  # a directory still without its owner file after this long was abandoned mid-start
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
@@ -77,77 +70,8 @@ def _kernel_import_paths() -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
-def profile_root(options: ClusterOptions) -> str:
-    """$NBDIST_CLUSTER_DIR, else a private folder in the temp directory; for multi-host runs under the home
-    directory instead, since engines on other hosts read the controller's connection file from there."""
-    if os.environ.get(CLUSTER_DIR_ENV):
-        return os.path.abspath(os.environ[CLUSTER_DIR_ENV])
-    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    if options.multi_host():
-        return os.path.join(os.path.expanduser("~"), ".cache", "nbdist", "clusters")
-    return os.path.join(tempfile.gettempdir(), f"nbdist-{user}")
-
-
-def new_profile_dir(options: ClusterOptions) -> str:
-    """A fresh profile directory owned by this kernel, holding the user's ipyparallel configuration (if any)."""
-    root = profile_root(options)
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    if hasattr(os, "getuid") and os.stat(root).st_uid != os.getuid():  # connection files hold the cluster's keys
-        raise DistError(f"{root} belongs to another user: set {CLUSTER_DIR_ENV} to a folder of your own")
-    remove_stale_profile_dirs(root)
-    path = tempfile.mkdtemp(prefix="cluster-", dir=root)
-    me = psutil.Process()
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write(f"{me.pid} {me.create_time()}")
-    _copy_user_config(path)
-    return path
-
-
-def _copy_user_config(path: str) -> None:
-    """Settings such as a multi-host run's controller_ip live in the user's profile; the cluster still gets them."""
-    try:
-        from IPython import get_ipython
-        from IPython.paths import get_ipython_dir
-
-        shell = get_ipython()
-        user_profile = shell.profile_dir.location if shell else os.path.join(get_ipython_dir(), "profile_default")
-    except Exception:
-        return
-    for name in USER_CONFIG_FILES:
-        for found in glob.glob(os.path.join(user_profile, name + ".*")):
-            if found.endswith((".py", ".json")):
-                shutil.copy(found, path)
-
-
-def remove_stale_profile_dirs(root: str) -> None:
-    """Remove the profile directories of kernels that have died (a SIGKILLed kernel cleans nothing up)."""
-    for path in glob.glob(os.path.join(root, "cluster-*")):
-        owner = owner_of(path)
-        if owner is None:
-            try:
-                abandoned = time.time() - os.path.getmtime(path) > STALE_UNOWNED_SECONDS
-            except OSError:
-                continue
-        else:
-            abandoned = not _kernel_alive(*owner)
-        if abandoned:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _kernel_alive(pid: int, started: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0  # the same process, not a reused pid
-    except psutil.Error:
-        return False
-
-
-def remove_profile_dir(cluster: ipp.Cluster) -> None:
-    if owner_of(cluster.profile_dir) is not None:  # only a directory nbdist made
-        shutil.rmtree(cluster.profile_dir, ignore_errors=True)
-
-
 def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
-    profile_dir = new_profile_dir(options)
+    profile_dir = cluster_files.new_profile_dir(options)
     try:
         return _ipp_cluster(options, profile_dir)
     except BaseException:  # e.g. an error in the user's ipcluster_config.py
@@ -345,4 +269,4 @@ def _forget(cluster: ipp.Cluster) -> None:
                 pass
     cluster.controller = None
     cluster.engines = {}
-    remove_profile_dir(cluster)
+    cluster_files.remove_profile_dir(cluster.profile_dir)

@@ -14,7 +14,8 @@ from processes import wait_until_gone
 import nbdist
 from nbdist import lifeline
 from nbdist.errors import DistError, DistUsageError
-from nbdist.launch import _hydra_files, remove_stale_profile_dirs
+from nbdist.cluster_files import remove_stale_profile_dirs
+from nbdist.launch import _hydra_files
 
 
 def _all_reduce_ranks():
@@ -204,7 +205,7 @@ def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path,
     """e.g. a multi-host run's controller_ip, set in the user's profile, still applies to nbdist's cluster."""
     import ipyparallel as ipp
 
-    from nbdist.launch import new_profile_dir
+    from nbdist.cluster_files import new_profile_dir
     from nbdist.options import ClusterOptions
 
     user_profile = tmp_path / "ipython" / "profile_default"

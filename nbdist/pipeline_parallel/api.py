@@ -341,7 +341,7 @@ def portable(fn: Callable | None) -> bytes | None:
     builder or loss written in a notebook cell runs on the engines even if they never imported torch."""
     import cloudpickle
 
-    from nbdist.remote import remember_source
+    from nbdist.tracebacks import remember_source
 
     if fn is None:
         return None
