@@ -2,9 +2,11 @@
 
 Two trials, each run once per module and then checked claim by claim:
 - the quickstart, Shift+Enter through every cell: its figure draws, no cell fails, the console stays clean;
-- the stepper: a 2-stage 1F1B pipeline of 8 x (Linear(64, 64), ReLU) with 4 micro-batches, Step x3 with pauses
+- the stepper: a 2-stage 1F1B pipeline of 8 x (Linear(64, 64), ReLU) with 4 micro-batches of 512 rows (each action
+  computes for about a millisecond, so the bubble is the schedule's, not a scheduler hiccup's), Step x3 with pauses
   of a reader between clicks, Run, Reset (three times), Step. After each click the measured chart draws readable
-  bars, the bubble stated after Run (median of the three) is close to the same step run at full speed, the view
+  bars, the bubble stated after Run (median of the three) is close to the same step run at full speed (Run clicked
+  at tick 0: one call, no pause; median of three), the view
   shows once, the console stays clean.
 Both start and stop a cluster in the kernel, so both also check that nothing is left behind: no process, no file
 in the IPython profile, no warning in the server's log. Screenshots: out/browser/.
@@ -44,6 +46,11 @@ FULL_SPEED = re.compile(r"full-speed bubble: median ([0-9.]+)")
 LOG_WARNINGS = re.compile(r".*(RuntimeWarning|Controller for .* not running|Engine set .* not running).*")
 
 FULL_SPEED_STEPS = 7
+# Seconds between two full-speed steps. The view redraws after every step; on 2 shared cores a redraw that overlaps
+# the next step takes the ranks' CPU and shows up as idle time (seen in CI: full-speed bubble 0.55-0.76 while the
+# stepped ones, drawn during the reading pauses, were 0.45-0.63). Each step itself still runs at full speed. These
+# steps show the live view following full-speed steps; the bubble claim compares clicks with clicks (below).
+DRAWING_PAUSE = 1.0
 STEPPER_CELLS = [
     "%load_ext nbdist\n%dist_start -n 2",
     dedent("""\
@@ -54,15 +61,16 @@ STEPPER_CELLS = [
             return nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(64, 64), nn.ReLU())])
 
         torch.manual_seed(0)
-        x, y = torch.randn(32, 64), torch.randn(32, 64)
+        x, y = torch.randn(2048, 64), torch.randn(2048, 64)
         loss_fn = nn.functional.mse_loss
         pipe = nbdist.pipeline(build, stages=2, schedule="1f1b", microbatches=4)"""),
     "st = pipe.stepper(x, y, loss_fn)\nst.widget()",
     dedent(f"""\
-        import statistics
+        import statistics, time
 
         bubbles = []
         for _ in range({FULL_SPEED_STEPS}):
+            time.sleep({DRAWING_PAUSE})  # the view draws the last step, as it does between two clicks
             pipe.step(x, y, loss_fn)
             bubbles.append(pipe.timeline.bubble_fraction)
         median = statistics.median(bubbles)
@@ -71,10 +79,13 @@ STEPPER_CELLS = [
 ]
 WIDGET_CELL, FULL_SPEED_CELL = 2, 3
 # The clicks of the trial and the tick each must reach (Run: the step's last; Reset: back to 0, then Step again to
-# see the chart draw again). The issue's trial (Step x3, Run, Reset) is played three times: one stepped step's bubble
-# is one sample, and a single step on 2 shared cores moves by 10 points on its own, so the claim compares the
-# median of the three stepped steps with the median of the full-speed ones.
+# see the chart draw again). The issue's trial (Step x3, Run, Reset) is played three times, each followed by the same
+# step at full speed: Run clicked at tick 0 (one call, no pause), under the same conditions as the stepped one (the
+# browser drawing the last click, the kernel handling the widget's message). One step's bubble is one sample, and a
+# single step on 2 shared cores moves by 10 points on its own, so the claim compares the median of the three stepped
+# steps with the median of the three full-speed ones.
 ONE_TRIAL = [("Step", lambda view: "1"), ("Step", lambda view: "2"), ("Step", lambda view: "3"),
+             ("Run", lambda view: view["total"]), ("Reset", lambda view: "0"),
              ("Run", lambda view: view["total"]), ("Reset", lambda view: "0")]
 STEPPED_TRIALS = 3
 CLICKS = ONE_TRIAL * STEPPED_TRIALS + [("Step", lambda view: "1")]
@@ -354,7 +365,7 @@ def test_stepper_ticks_follow_the_clicks(stepper):
     ticks = [(c.button, c.tick) for c in stepper.clicks]
     total = stepper.clicks[0].total
     assert total is not None, "no span.nbdist-tick[data-tick][data-total] in the view"
-    one = [("Step", "1"), ("Step", "2"), ("Step", "3"), ("Run", total), ("Reset", "0")]
+    one = [("Step", "1"), ("Step", "2"), ("Step", "3"), ("Run", total), ("Reset", "0"), ("Run", total), ("Reset", "0")]
     assert ticks == one * STEPPED_TRIALS + [("Step", "1")]
 
 
@@ -366,14 +377,16 @@ def test_stepper_after_reset_shows_the_ranks_and_the_ideal(stepper):
 
 def test_stepper_bubble_is_close_to_full_speed(stepper):
     runs = [c for c in stepper.clicks if c.button == "Run"]
-    assert len(runs) == STEPPED_TRIALS
+    assert len(runs) == 2 * STEPPED_TRIALS
     for run in runs:
         assert run.bubble_spans == 1, f"{run.bubble_spans} visible span.nbdist-bubble; {_describe(run)}"
-    assert stepper.full_speed_bubble is not None, stepper.full_speed_text
-    stepped = statistics.median(run.bubble for run in runs)
-    assert abs(stepped - stepper.full_speed_bubble) <= BUBBLE_TOLERANCE, (
-        f"stepping bubble median {stepped:.3f} of {[round(r.bubble, 3) for r in runs]} vs full speed "
-        f"{stepper.full_speed_text.strip()}")
+    stepped, full_speed = [r.bubble for r in runs[0::2]], [r.bubble for r in runs[1::2]]
+    gap = statistics.median(stepped) - statistics.median(full_speed)
+    summary = (f"stepped {[round(b, 3) for b in stepped]} vs full speed (Run at tick 0) "
+               f"{[round(b, 3) for b in full_speed]}: medians differ by {100 * gap:+.1f} points; full-speed cell: "
+               f"{stepper.full_speed_text.strip()}")
+    print(summary)  # shown with -s
+    assert abs(gap) <= BUBBLE_TOLERANCE, summary
 
 
 def test_stepper_view_shows_once(stepper):
