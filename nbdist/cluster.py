@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from nbdist import launch
 from nbdist.checks import is_whole
-from nbdist.engine import boot, rank_mesh, registry
+from nbdist.engine import boot, gpu_sync, rank_mesh, registry
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.meshes import Mesh, layout
 from nbdist.options import ClusterOptions
@@ -24,12 +24,19 @@ from nbdist.units import format_bytes
 _current: "Cluster | None" = None
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
 _generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
+GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
 
 
 @dataclass
 class Status:
     """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
-    and in a terminal (text)."""
+    and in a terminal (text).
+
+    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "gloo" on CPU engines,
+    "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors through NCCL, CPU tensors through gloo). A friendlier name
+    would be one more thing to translate. GPU memory is what NVML says the process holds (context, NCCL buffers,
+    torch's cache); where NVML cannot see the process, torch's cache only, and the cell says so.
+    """
 
     rows: list[dict]
     startup_seconds: float | None = None
@@ -42,7 +49,8 @@ class Status:
     def _cells(row: dict) -> list[str]:
         memory = f"{row['rss_mib']:.0f} MiB"
         if "gpu_mib" in row:
-            memory += f" (+{row['gpu_mib']:.0f} MiB GPU)"
+            whose = "" if row.get("gpu_memory") == "nvml" else ", torch's cache only"
+            memory += f" (+{row['gpu_mib']:.0f} MiB GPU{whose})"
         return [str(row["rank"]), row["host"], str(row["pid"]), row["device"], row["backend"], memory]
 
     @staticmethod
@@ -177,7 +185,26 @@ class Cluster:
             engines_alive=self._engines_alive,
             timeout=timeout,
             relay=OutputRelay(ranks, show) if show is not None else None,
+            after_failure=self._back_in_step if any(d.startswith("cuda") for d in self.devices) else None,
         )
+
+    def _back_in_step(self) -> str:
+        """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
+        wrong operation. Every rank synchronises its GPU within GPU_SYNC_SECONDS; if one cannot, the only safe way
+        back is fresh engines (engine/gpu_sync.py). Returns what was done, for the error line."""
+        ranks = list(range(self.world_size))
+        try:
+            ar = self._view(ranks).apply_async(gpu_sync.synchronise, GPU_SYNC_SECONDS)
+            finished = ar.get(timeout=GPU_SYNC_SECONDS + 10)
+        except Exception:
+            finished = [False] * len(ranks)
+        behind = [r for r, ok in zip(ranks, finished) if ok is not True]
+        if not behind:
+            return f"every rank's GPU work then completed (synchronised within {GPU_SYNC_SECONDS:g} s): in step"
+        self.restart()
+        return (f"rank(s) {', '.join(map(str, behind))} still had GPU work waiting after {GPU_SYNC_SECONDS:g} s "
+                "(an NCCL operation the failed rank never joined), so nbdist restarted the engines: fresh processes "
+                "and process group, engine variables lost")
 
     def _engines_alive(self) -> bool:
         launched = self._launched

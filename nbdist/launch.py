@@ -10,7 +10,9 @@ waits politely. On one notebook's cluster those waits are most of the start-up t
 - run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
 - stop by signalling the process groups of mpiexec and the controller at once.
 
-Every process we start carries a lifeline (see lifeline.py) to the notebook kernel.
+Every process we start carries a lifeline (see lifeline.py) to the notebook kernel: the controller and engines on
+the kernel's host watch its pid; engines on other hosts hold a connection to the cluster's lifeline server
+(lifeline_server.py), which runs from just before the engines start until they are stopped.
 
 Each cluster runs in its own IPython profile directory, removed at stop (cluster_files.py).
 """
@@ -26,9 +28,8 @@ from dataclasses import dataclass
 import ipyparallel as ipp
 import psutil
 
+from nbdist import cluster_files, lifeline_server
 from nbdist.errors import DistError
-from nbdist import cluster_files
-from nbdist.lifeline import WATCH_ENV
 from nbdist.options import ClusterOptions
 
 
@@ -45,9 +46,12 @@ class Launched:
     engine_ids: list[int]
 
 
-def _engine_environment(options: ClusterOptions) -> dict[str, str]:
+_lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
+
+
+def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer) -> dict[str, str]:
     env = {
-        WATCH_ENV: str(os.getpid()),
+        **lifeline.environment(),
         "NBDIST_BACKEND": options.backend,
         "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
         "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
@@ -119,8 +123,9 @@ def start(options: ClusterOptions) -> Launched:
     cluster = _new_cluster(options)
     deadline = time.monotonic() + options.timeout
     try:
-        lifeline = [sys.executable, "-m", "nbdist.lifeline", str(os.getpid())]
-        cluster.start_controller_sync(controller_cmd=lifeline + ["ipyparallel.controller"])
+        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(options.multi_host())
+        watched = [sys.executable, "-m", "nbdist.lifeline", str(os.getpid())]
+        cluster.start_controller_sync(controller_cmd=watched + ["ipyparallel.controller"])
         cluster.start_engines_sync(
             options.n,
             engine_cmd=[sys.executable, "-m", "nbdist.engine.main"],
@@ -131,7 +136,7 @@ def start(options: ClusterOptions) -> Launched:
             ],
             mpi_cmd=[options.mpiexec()],
             mpi_args=list(options.mpi_args),
-            environment=_engine_environment(options),
+            environment=_engine_environment(options, lifeline),
         )
         client = cluster.connect_client_sync()
         while len(client.ids) < options.n:
@@ -194,6 +199,14 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
         except OSError:
             pass
     _forget(cluster)
+    _close_lifeline(cluster)
+
+
+def _close_lifeline(cluster: ipp.Cluster) -> None:
+    """After the processes: closing first would end the remote engines' lifelines, racing our own kills."""
+    server = _lifelines.pop(id(cluster), None)
+    if server is not None:
+        server.close()
 
 
 def _kill(procs: list[psutil.Process]) -> None:

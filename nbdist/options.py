@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, fields, replace
 import psutil
 
 from nbdist.checks import one_of, positive_seconds, whole_number
+from nbdist.engine import devices
 from nbdist.errors import DistUsageError
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU
 ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
 DEFAULT_CPU_ENGINES = 2
 HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
@@ -55,7 +56,8 @@ def find_mpiexec() -> str | None:
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """What `%dist_start` / `nbdist.start()` accept. `n=None` means one engine per GPU, else 2 CPU engines."""
+    """What `%dist_start` / `nbdist.start()` accept. `n=None` means one engine per GPU, else 2 CPU engines (also
+    with --cpu or --backend gloo: CPU engines, whatever the GPUs)."""
 
     n: int | None = None
     cpu: bool = False
@@ -81,30 +83,56 @@ class ClusterOptions:
             raise DistUsageError("mpiexec not found: `pip install mpich`, or put your MPI's mpiexec on PATH")
         return found
 
-    def resolved(self) -> "ClusterOptions":
-        """Fill in defaults from the hardware and check everything; raises DistUsageError naming the problem."""
-        gpus = 0 if self.cpu else visible_gpus()
-        n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
-        whole_number(n, "-n")
+    def resolved(self, gpus: int | None = None) -> "ClusterOptions":
+        """Fill in defaults from the hardware and check everything; raises DistUsageError naming the problem.
+
+        `gpus`: the GPUs visible here; counted through NVML when not given (tests give it, so the GPU rules are
+        checked on machines without one). --cpu and --backend gloo mean CPU engines, whatever the GPUs.
+        """
         one_of(self.backend, BACKENDS, "backend")
-        positive_seconds(self.timeout, "--timeout")
-        positive_seconds(self.collective_timeout, "collective_timeout")
         if not isinstance(self.cpu, bool):
             raise DistUsageError(f"cpu must be True or False, got {self.cpu!r}")
+        if self.cpu and self.backend == "nccl":
+            raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
         if not all(isinstance(arg, str) for arg in self.mpi_args):
             raise DistUsageError(f"mpi_args must be strings, got {self.mpi_args!r}")
-        if self.backend == "nccl" and not self.multi_host():
-            if gpus == 0:
-                raise DistUsageError("--backend nccl needs GPUs and none are visible here; use --backend gloo")
-            if n > gpus:
-                raise DistUsageError(f"--backend nccl needs one GPU per engine: -n {n} but {gpus} GPU(s) visible")
+        if not devices.wants_gpus(self.backend, self.cpu):
+            gpus = 0
+        elif gpus is None:
+            gpus = visible_gpus()
+        n = self._engine_count(gpus)
+        positive_seconds(self.timeout, "--timeout")
+        positive_seconds(self.collective_timeout, "collective_timeout")
         if not self.multi_host():
-            limit = max_cpu_engines() if gpus == 0 or self.backend == "gloo" else gpus
-            if n > limit:
-                free_gib = psutil.virtual_memory().available / 2**30
-                raise DistUsageError(
-                    f"-n {n} is more engines than this machine can hold: at most {limit} "
-                    f"({free_gib:.1f} GiB available, ~{ENGINE_MEMORY_BYTES / 2**30:.1f} GiB per engine)"
-                )
+            self._check_fits(n, gpus)
         self.mpiexec()
         return replace(self, n=n)
+
+    def _engine_count(self, gpus: int) -> int:
+        """-n, or one engine per GPU, else DEFAULT_CPU_ENGINES. On several hosts nbdist cannot count the others'
+        GPUs (NVML sees this host only), so there -n is required."""
+        if self.n is None and self.multi_host():
+            raise DistUsageError("give -n when --mpi-args names hosts: nbdist counts the GPUs of this host only, "
+                                 "not those of the others")
+        n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
+        whole_number(n, "-n")
+        return n
+
+    def _check_fits(self, n: int, gpus: int) -> None:
+        """On this host: NCCL runs one rank per GPU; CPU engines are limited by memory."""
+        if self.backend == "nccl" and gpus == 0:
+            raise DistUsageError("--backend nccl needs GPUs and none are visible here; use --backend gloo")
+        if gpus and n > gpus:
+            raise DistUsageError(
+                f"-n {n} but {gpus} GPU{'s' if gpus > 1 else ''} visible: NCCL runs one rank per GPU; use -n {gpus}, "
+                f"or --cpu / --backend gloo for CPU engines"
+            )
+        if gpus:
+            return
+        limit = max_cpu_engines()
+        if n > limit:
+            free_gib = psutil.virtual_memory().available / 2**30
+            raise DistUsageError(
+                f"-n {n} is more engines than this machine can hold: at most {limit} "
+                f"({free_gib:.1f} GiB available, ~{ENGINE_MEMORY_BYTES / 2**30:.1f} GiB per engine)"
+            )

@@ -105,6 +105,8 @@ class Waiter:
     relay: OutputRelay | None = None
     progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
     progress_every: float = 0.5
+    after_failure: Callable[[], str] | None = None  # NCCL clusters: bring the ranks back in step, say how
+    _restarted: bool = False
 
     def wait(self) -> list:
         """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
@@ -136,6 +138,8 @@ class Waiter:
             # every rank's result came back (as EngineError) before the launcher noticed the job had ended
             reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
         self._finish_output()
+        if self.after_failure is not None and self._failed_ranks() and not self._restarted:
+            action = "; ".join(part for part in (action, self.after_failure()) if part)
         self._raise_failures(reason, action)
         return [child.result() for _, child in self._children()]
 
@@ -181,6 +185,7 @@ class Waiter:
 
     def _restart(self) -> str:
         self._finish_output()
+        self._restarted = True
         with _interrupts_deferred():
             self.restart()
         return "so nbdist restarted the engines: fresh processes and process group, engine variables lost"

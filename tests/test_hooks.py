@@ -1,5 +1,5 @@
-"""DDP communication hooks (nbdist/engine/hooks.py) on a real 2-engine cluster: MPI all-reduce equals gloo's and the
-serial model; the compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad
+"""DDP communication hooks (nbdist/engine/hooks.py) on a real 2-engine cluster: MPI all-reduce equals torch's (gloo)
+and the serial model; the compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad
 input is refused. On a real 4-engine cluster: the MPI hooks on process groups that are not the whole world (a
 mesh's dp dimension, and groups of no mesh), each group averaging only within itself."""
 import math
@@ -190,16 +190,16 @@ def assert_params_close(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=0)
 
 
-def test_mpi_hook_equals_gloo_and_serial(cluster):
+def test_mpi_hook_equals_torch_and_serial(cluster):
     steps = 3  # crosses DDP's bucket regrouping after the first step
     mpi = cluster.run(_train, "mpi", steps)
     default = cluster.run(_train, None, steps)
-    gloo = cluster.run(_train, "gloo", steps)
+    via_torch = cluster.run(_train, "torch", steps)
     expected = serial(steps)
     for rank in range(cluster.world_size):
         assert_params_close(mpi[rank]["params"], default[rank]["params"])
         assert_params_close(mpi[rank]["params"], expected)
-        assert_params_close(gloo[rank]["params"], default[rank]["params"])
+        assert_params_close(via_torch[rank]["params"], default[rank]["params"])
     full = 4 * sum(p.numel() for p in build_model().parameters())
     assert mpi[0]["bytes"] == mpi[0]["full"] == [full] * steps
 
@@ -417,18 +417,19 @@ def assert_replicas_equal_their_serial_runs(results: list[dict], steps: int) -> 
     assert drift > 1e-3  # the replicas' serial results differ: equal to its own means no mixing with the other
 
 
-def test_mpi_hook_on_a_mesh_dp_group_equals_gloo_and_each_replica_serial(four):
+def test_mpi_hook_on_a_mesh_dp_group_equals_torch_and_each_replica_serial(four):
     """dp=2 x pp=2 on 4 ranks: two dp groups of two ranks ([0, 1] and [2, 3]), never the whole world. The MPI hook
-    ("auto" picks it on CPU) talks on the mesh's dp communicator; each group equals gloo and its own serial run."""
+    ("auto" picks it on CPU) talks on the mesh's dp communicator; each group equals torch's (gloo) and its own
+    serial run."""
     m = nbdist.mesh(four, dp=2, pp=2)
     assert m.groups("dp") == [[0, 1], [2, 3]]
     steps = 3  # crosses DDP's bucket regrouping after the first step
     mpi = four.run(_train_replica, m, "auto", steps)
-    gloo = four.run(_train_replica, m, "gloo", steps)
+    via_torch = four.run(_train_replica, m, "torch", steps)
     assert [r["replica"] for r in mpi] == [0, 0, 1, 1]
     assert all(r["hook"] == "mpi" and r["comm_size"] == 2 and r["mesh_comm"] for r in mpi)
-    assert all(r["hook"] == "gloo" and r["comm_size"] is None for r in gloo)
-    for a, b in zip(mpi, gloo):
+    assert all(r["hook"] == "torch" and r["comm_size"] is None for r in via_torch)
+    for a, b in zip(mpi, via_torch):
         assert_params_close(a["params"], b["params"])
     assert_replicas_equal_their_serial_runs(mpi, steps)
 

@@ -413,3 +413,27 @@ def test_per_stage_durations_make_the_slowest_stage_the_pace():
     assert uneven.makespan >= 8 * (2 + 4)  # stage 1 alone needs m (F + B)
     with pytest.raises(DistUsageError, match="got 3 per-stage durations for 4 stages"):
         s.simulate(forward=[1, 1, 1])
+
+
+def test_ranks_on_another_host_are_lined_up_by_the_call_barriers():
+    """perf_counter is per host: a rank on another host whose clock reads 1000 s more is moved onto the first
+    rank's clock by when each left the call's barrier; ranks on the first host stay as measured."""
+    from nbdist.pipeline_parallel.stepping import work_timeline
+
+    here = {"host": "a", "calls": [10.0], "spans": [("0F0", 10.0, 10.5, 0.0, 0), ("0SEND_F0", 10.5, 10.6, 0.0, 0)]}
+    same = {"host": "a", "calls": [10.001], "spans": [("1RECV_F0", 10.001, 10.6, 0.59, 0), ("1F0", 10.6, 11.0, 0.0, 0)]}
+    away = {"host": "b", "calls": [1010.002], "spans": [("2RECV_F0", 1010.002, 1011.0, 0.9, 0),
+                                                       ("2F0", 1011.0, 1011.2, 0.0, 0)]}
+    timeline = work_timeline({0: here, 1: same, 2: away})
+    origin = 10.0  # the timeline starts at its first span
+    away_forward = timeline.spans[2][1]
+    assert (away_forward.start, away_forward.end) == pytest.approx((11.0 - 0.002 - origin, 11.2 - 0.002 - origin))
+    assert timeline.spans[1][1].start == pytest.approx(10.6 - origin)
+
+
+def test_a_stage_on_another_rank_needs_its_message():
+    """Rank 1 computes 1F0 before receiving its input: the previous stage's forward was done, but on rank 0, so
+    1F0 waits for 1RECV_F0, which comes after it, and rank 0 for a gradient never sent: a deadlock, refused."""
+    actions = {0: ["0F0", "0SEND_F0", "0RECV_B0", "0B0"], 1: ["1F0", "1RECV_F0", "1B0", "1SEND_B0"]}
+    with pytest.raises(DistUsageError, match="deadlocks: rank 0 would wait forever at tick 2 on 0RECV_B0"):
+        Schedule.from_actions(actions)

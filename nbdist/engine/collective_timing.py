@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nbdist.collectives.ops import ELEMENT_BYTES, GLOO_REDUCE_SCATTER_NOTE, ROOT
 from nbdist.engine import groups
 from nbdist.engine.compat import all_gather_single, reduce_scatter_single
+from nbdist.engine.devices import backend_for
 
 MAX_ITERS = 1_000_000
 CALIBRATE_SECONDS = 0.005  # a calibration loop shorter than this is too close to the clock to trust
@@ -92,6 +93,14 @@ def _fill_values(count: int, rank: int, start: int = 0):
     return ((i % 251) + 256 * (rank + 1)).to(torch.float32)
 
 
+def _torch_device(group) -> torch.device:
+    """Where "torch" measures: on this rank's GPU when the group sends CUDA tensors through nccl (GPU engines:
+    "cpu:gloo,cuda:nccl", or "nccl"), else on CPU."""
+    if backend_for(dist.get_backend(group), "cuda") == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Collective:
     """One op, one via, one size, on this rank: buffers, the call, its expected result."""
 
@@ -100,11 +109,9 @@ class Collective:
         self.group, self.comm = group, comm  # torch group (None: the default one), MPI communicator (via="mpi")
         self.count = size // ELEMENT_BYTES
         self.chunk = self.count // n
-        backend = dist.get_backend(group)
-        cuda = via == "torch" and backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.backend = backend if via == "torch" else _mpi_library()
-        self.note = GLOO_REDUCE_SCATTER_NOTE if (via, backend, op) == ("torch", "gloo", "reduce_scatter") else ""
+        self.device = _torch_device(group) if via == "torch" else torch.device("cpu")
+        self.backend = backend_for(dist.get_backend(group), self.device.type) if via == "torch" else _mpi_library()
+        self.note = GLOO_REDUCE_SCATTER_NOTE if (via, self.backend, op) == ("torch", "gloo", "reduce_scatter") else ""
         send, recv = {"all_reduce": (self.count, 0), "broadcast": (self.count, 0),
                       "all_gather": (self.chunk, self.count), "reduce_scatter": (self.count, self.chunk),
                       "all_to_all": (self.count, self.count)}[op]
@@ -162,7 +169,7 @@ class Collective:
 
     def agree_max(self, value: float) -> float:
         """The largest of every rank's value (torch.distributed: present on every engine, whatever the via)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        device = "cpu" if backend_for(dist.get_backend(self.group), "cpu") else _torch_device(self.group)
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())

@@ -4,7 +4,8 @@ Why MPI on CPU: DDP all-reduces gradient buckets (1-25 MB) through its process g
 gloo over TCP loopback. nbdist's engines are also an MPI world, and MPICH all-reduces through shared memory:
 about 5x faster for a 4 MiB bucket on 2 engines (0.64 ms against 3.1 ms). So on CPU, hook="auto" all-reduces
 through MPI (see nbdist.engine.hooks.register_hook for the measured training speed-up); on GPUs DDP's own
-all-reduce (nccl) stays. The hook's state (bytes sent per step, ...) is kept as `model.comm_hook_state`.
+all-reduce stays (hook "torch": torch.distributed's all-reduce, nccl for CUDA gradients). The hook's state
+(bytes sent per step, ...) is kept as `model.comm_hook_state`.
 
     %%dist
     from nbdist.engine.ddp import ddp

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from nbdist.engine.clocks import clock_for
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.schedules.actions import (
     BACKWARD,
@@ -71,6 +72,7 @@ class StepState:
     sends: list = field(default_factory=list)  # requests of sends not known to be complete
     losses: list = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
+    unsettled: list[tuple] = field(default_factory=list)  # (action, start mark, end mark, wait, call) on a GPU clock
     position: int = 0  # the next action of the rank's list
     calls: list[float] = field(default_factory=list)  # when each call of this step left its barrier
     report: dict | None = None  # the finished step's report (kept: a finished rank is still called while stepping)
@@ -84,6 +86,7 @@ class StageExecutor:
         self.spec = spec
         self.program = [Action.parse(a) for a in spec.program]
         self.device = device
+        self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: engine/clocks.py
         self.modules = {s: m.to(device) for s, m in modules.items()}
         self.transport = transport
         self.dp_average = dp_average  # callable(list of gradient tensors) averaging them over the dp group, or None
@@ -134,6 +137,7 @@ class StageExecutor:
 
         `publish(state)`, if given, is called after each action (it decides itself how often to send anything)."""
         self.stop_draining()
+        self.clock.call_began()
         state, ran = self.state, 0
         while state.position < len(self.program):
             if until_tick is not None and self.spec.ticks[state.position] >= until_tick:
@@ -144,7 +148,21 @@ class StageExecutor:
             ran += 1
             if publish is not None:
                 publish(state)
+        self._settle()
         return ran
+
+    def _settle(self) -> None:
+        """GPU: wait for the call's work, then turn its event marks into spans (a receive's span is how long the
+        compute stream waited for the message)."""
+        state = self.state
+        if not state.unsettled:
+            return
+        self.clock.settle()
+        for action, start, end, wait, call in state.unsettled:
+            start, end = self.clock.seconds(start), self.clock.seconds(end)
+            wait = end - start if action.kind in (RECV_F, RECV_B) else wait
+            state.spans.append(Span(str(action), start, end, wait, call))
+        state.unsettled = []
 
     @property
     def done(self) -> bool:
@@ -187,7 +205,7 @@ class StageExecutor:
     # -- actions ----------------------------------------------------------------------------------------------
 
     def _run(self, action: Action) -> None:
-        started = time.perf_counter()
+        started = self.clock.mark()
         wait = {
             FORWARD: self._forward,
             BACKWARD: self._backward,
@@ -198,9 +216,11 @@ class StageExecutor:
             RECV_F: self._receive,
             RECV_B: self._receive,
         }[action.kind](action)
-        # perf_counter is one clock for every process of a host: the notebook lines the ranks up by it
-        call = len(self.state.calls) - 1
-        self.state.spans.append(Span(str(action), started, time.perf_counter(), wait or 0.0, call))
+        ended, call = self.clock.mark(), len(self.state.calls) - 1
+        if self.clock.deferred:
+            self.state.unsettled.append((action, started, ended, wait or 0.0, call))
+        else:  # perf_counter is one clock for every process of a host: the notebook lines the ranks up by it
+            self.state.spans.append(Span(str(action), started, ended, wait or 0.0, call))
 
     def _forward(self, a: Action) -> None:
         state, key = self.state, (a.stage, a.microbatch)

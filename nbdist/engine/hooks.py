@@ -29,6 +29,7 @@ the engines.
 No `from __future__ import annotations` here: DDP inspects a hook's annotations and wants the real objects.
 """
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nbdist.checks import whole_number
 from nbdist.engine import groups
+from nbdist.engine.devices import backend_for
 from nbdist.errors import DistUsageError
 
 Future = torch.futures.Future
@@ -103,7 +105,7 @@ def _check_cpu(tensor: torch.Tensor, what: str) -> None:
     if tensor.device.type != "cpu":
         raise DistUsageError(
             f"{what} moves CPU tensors only (MPI reads their memory), got a tensor on {tensor.device}: "
-            "use hook='gloo' (DDP's default all-reduce, nccl on GPUs) or a torch-based compression hook"
+            "use hook='torch' (DDP's default all-reduce: gloo on CPU, nccl on GPUs) or a torch-based compression hook"
         )
 
 
@@ -111,7 +113,7 @@ def _as_numpy(tensor: torch.Tensor):
     try:
         return tensor.detach().numpy()
     except TypeError:  # bfloat16 has no numpy (nor MPI) type
-        raise DistUsageError(f"MPI hooks need a numpy dtype, got {tensor.dtype}: use hook='gloo' or 'bf16'") from None
+        raise DistUsageError(f"MPI hooks need a numpy dtype, got {tensor.dtype}: use hook='torch' or 'bf16'") from None
 
 
 def _done(tensor: torch.Tensor) -> Future:
@@ -146,8 +148,9 @@ def mpi_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
     return _done(buffer)
 
 
-def gloo_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's `allreduce_hook` (what DDP does with no hook: average over its process group), counted."""
+def torch_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `allreduce_hook` (what DDP does with no hook: average over its process group, through whichever
+    backend serves the bucket's device: gloo for CPU tensors, nccl for CUDA tensors), counted."""
     buffer = bucket.buffer()
     state.record(bucket, buffer.numel() * buffer.element_size())
     return default_hooks.allreduce_hook(state.process_group, bucket)
@@ -307,13 +310,24 @@ def _powersgd_state(group: Any, rank: int = 1, start_iter: int = 2) -> PowerSGDH
 
 HOOKS: dict[str, tuple[Callable, Callable]] = {  # name -> (state factory(group, **options), hook)
     "mpi": (lambda group: _plain_state("mpi", group), mpi_allreduce_hook),
-    "gloo": (lambda group: _plain_state("gloo", group), gloo_allreduce_hook),
+    "torch": (lambda group: _plain_state("torch", group), torch_allreduce_hook),
     "fp16": (lambda group: _plain_state("fp16", group), fp16_hook),
     "bf16": (lambda group: _plain_state("bf16", group), bf16_hook),
     "topk": (_topk_state, topk_hook),
     "powersgd": (_powersgd_state, powersgd_hook),
 }
-OPTIONS = {"mpi": (), "gloo": (), "fp16": (), "bf16": (), "topk": ("ratio",), "powersgd": ("rank", "start_iter")}
+OPTIONS = {"mpi": (), "torch": (), "fp16": (), "bf16": (), "topk": ("ratio",), "powersgd": ("rank", "start_iter")}
+
+
+RENAMED = {"gloo": "torch"}  # old name -> name: "gloo" ran nccl on GPUs, so it is named for what it calls
+
+
+def _current_name(name: str) -> str:
+    """A hook's name, old names translated with one line saying so."""
+    if name in RENAMED:
+        warnings.warn(f"hook {name!r} is now called {RENAMED[name]!r} (torch.distributed's all-reduce: gloo on CPU, "
+                      f"nccl on GPUs); {name!r} will go", FutureWarning, stacklevel=3)
+    return RENAMED.get(name, name)
 
 
 def _on_cpu(ddp_model: DistributedDataParallel) -> bool:
@@ -336,13 +350,13 @@ def _check_mpi_usable(ddp_model: DistributedDataParallel, name: str) -> None:
         raise DistUsageError(f"hook {name!r} moves CPU tensors only (MPI reads their memory); the model is not on CPU")
     if not _mpi_mirrors_torch():
         raise DistUsageError(f"hook {name!r} talks over MPI, but this rank's MPI world is not torch.distributed's "
-                             f"(torch rank {dist.get_rank()} of {dist.get_world_size()}): use hook='gloo'")
+                             f"(torch rank {dist.get_rank()} of {dist.get_world_size()}): use hook='torch'")
 
 
 def choose(ddp_model: DistributedDataParallel) -> str:
     """What name="auto" picks: "mpi" for CPU models when MPI's world is torch's (any DDP process group), else
-    "gloo"."""
-    return "mpi" if _on_cpu(ddp_model) and _mpi_mirrors_torch() else "gloo"
+    "torch"."""
+    return "mpi" if _on_cpu(ddp_model) and _mpi_mirrors_torch() else "torch"
 
 
 def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
@@ -351,8 +365,9 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
     data size doesn't match expected size ... collective mismatch"). An observation made here (torch 2.13, torch's
     own hook registered directly on DDP, no nbdist in between, 2 CPU ranks, both outcomes seen); no upstream report
     was found. Refuse that rather than let it happen."""
-    if dist.get_backend(ddp_model.process_group) != "gloo":
-        return
+    device_type = next(ddp_model.module.parameters()).device.type
+    if backend_for(dist.get_backend(ddp_model.process_group), device_type) != "gloo":
+        return  # on GPU engines the gradients go through nccl, even though the group's backend string names gloo
     nbytes = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters() if p.requires_grad)
     config = getattr(ddp_model, "_bucket_config", None)  # DDP's first bucket may be smaller than the others
     first = getattr(config, "first_bucket_bytes_cap", None) or ddp_model.bucket_bytes_cap
@@ -370,12 +385,13 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
 def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **options: Any) -> HookState:
     """Register communication hook `name` on a DDP model; returns its state (bytes sent per step, residuals...).
 
-    Names: "mpi" (all-reduce through MPI, CPU), "gloo" (torch's all-reduce on DDP's process group: DDP's default,
-    counted), "fp16", "bf16", "topk" (option ratio, default 0.01), "powersgd" (options rank, default 1, and
-    start_iter, default 2: plain all-reduce before it) and "auto".
+    Names: "mpi" (all-reduce through MPI, CPU), "torch" (torch.distributed's all-reduce on DDP's process group,
+    DDP's default, counted: gloo on CPU, nccl on GPUs; "gloo", its old name, still works and says so), "fp16",
+    "bf16", "topk" (option ratio, default 0.01), "powersgd" (options rank, default 1, and start_iter, default 2:
+    plain all-reduce before it) and "auto".
 
     "auto" = "mpi" on CPU when MPI's world is torch's (always so on nbdist's engines), whatever DDP's process
-    group (the MPI hooks talk on a communicator of the group's ranks), else "gloo".
+    group (the MPI hooks talk on a communicator of the group's ranks), else "torch".
     Why "auto" is MPI on CPU, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine, MLPs of
     L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two runs):
 
@@ -394,6 +410,7 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
         raise DistUsageError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if name == "auto":
         name = choose(ddp_model)
+    name = _current_name(name)
     if name not in HOOKS:
         raise DistUsageError(f"unknown hook {name!r}: choose one of auto, {', '.join(HOOKS)}")
     unknown = sorted(set(options) - set(OPTIONS[name]))

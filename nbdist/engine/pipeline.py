@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.engine import rank_mesh, registry
+from nbdist.engine import pairs, rank_mesh, registry
 from nbdist.engine.executor import StageExecutor
 from nbdist.engine.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
@@ -31,8 +31,8 @@ def setup(spec: StageSpec) -> str:
     mesh = rank_mesh.here(spec.mesh)
     average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
     _warm_up()
-    executor = StageExecutor(spec, _modules(spec), device, make_transport(spec.transport, mesh, device), average,
-                             _restore(spec.optimizer))
+    transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
+    executor = StageExecutor(spec, _modules(spec), device, transport, average, _restore(spec.optimizer))
     registry.put(KIND, spec.name, executor)
     return device.type
 
@@ -62,15 +62,17 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
     state.calls.append(time.perf_counter())
     rank = boot().rank
     if state.report is None:
-        executor.advance(until_tick, _publisher(rank, publish_every))
+        executor.advance(until_tick, _publisher(rank, boot().host, publish_every))
     if stepping:
         executor.pause()
     if executor.done:
         if state.report is None:
-            state.report = {**executor.finish(wait_for_sends=not stepping), "rank": rank, "done": True}
+            state.report = {**executor.finish(wait_for_sends=not stepping), "rank": rank, "host": boot().host,
+                            "done": True}
         return {**state.report, "calls": list(state.calls)}
     spans = [s.as_tuple() for s in state.spans]
-    return {"rank": rank, "loss": None, "spans": spans, "calls": list(state.calls), "done": False}
+    return {"rank": rank, "host": boot().host, "loss": None, "spans": spans, "calls": list(state.calls),
+            "done": False}
 
 
 def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
@@ -92,6 +94,10 @@ def parameters(name: str, grads: bool) -> dict:
 
 def close(name: str) -> None:
     registry.drop(KIND, name)
+    groups = registry.find(pairs.KIND, name)
+    if groups is not None:
+        pairs.release(groups)
+        registry.drop(pairs.KIND, name)
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
@@ -156,7 +162,7 @@ def _wake(seconds: float) -> None:
         pass
 
 
-def _publisher(rank: int, every: float | None):
+def _publisher(rank: int, host: str, every: float | None):
     """A function the executor calls after each action: publishes the spans so far (ipyparallel's datapub) at
     most every `every` seconds, for a live view; None when no view watches."""
     if every is None:
@@ -166,8 +172,9 @@ def _publisher(rank: int, every: float | None):
     last = [time.perf_counter()]
 
     def publish(state) -> None:
-        if state.spans[-1].end - last[0] > every:
+        if state.spans and state.spans[-1].end - last[0] > every:  # on a GPU spans appear when a call ends
             last[0] = state.spans[-1].end
-            publish_data({"rank": rank, "spans": [s.as_tuple() for s in state.spans], "calls": list(state.calls)})
+            publish_data({"rank": rank, "host": host, "spans": [s.as_tuple() for s in state.spans],
+                          "calls": list(state.calls)})
 
     return publish

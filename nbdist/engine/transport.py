@@ -5,10 +5,13 @@ with `.wait()`, where `peer` is a rank of the pipeline (its coordinate along the
 of the world: with data parallelism several pipelines run side by side, each on its own ranks.
 - MPI (mpi4py) for CPU tensors, over the mesh's pp communicator: the engines already form an MPI world, and
   MPICH's shared memory moves a 4 KiB activation in about half the time gloo needs over TCP loopback. The
-  tensor's own memory is sent (no copy).
-- torch.distributed for GPU tensors (nccl) or when asked (gloo), over the mesh's pp process group, as torch's own
-  pipelining does.
-Tags keep messages apart, so receives can be posted early, in any order.
+  tensor's own memory is sent (no copy). Tags keep messages apart, so receives can be posted early, in any order,
+  and an abandoned step's receives are cancelled.
+- torch.distributed for GPU tensors (nccl) or when asked (gloo): one process group per direction between two
+  neighbours (engine/pairs.py), messages matched first-in first-out as NCCL does (tags are not sent, also on gloo,
+  so CPU runs obey the rule GPUs impose). The order is safe when `nbdist.schedules.check_nccl` passes, which the
+  pipeline checks before it builds; an abandoned step's receives cannot be cancelled, so the notebook renews the
+  pipeline's pair groups before the next step (pairs.connect).
 """
 from __future__ import annotations
 
@@ -18,18 +21,31 @@ import torch
 import torch.distributed as dist
 
 
+class _TorchRequest:
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor  # keep the buffer alive until the message is complete
+
+    def wait(self) -> None:
+        """gloo: blocks until the message is complete; NCCL: the current CUDA stream waits, the host does not."""
+        self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class TorchTransport:
     name = "torch"
-    max_tag = 2**31 - 1
+    max_tag = 2**31 - 1  # unused: messages on a pair match in order
 
-    def __init__(self, group, world_ranks: list[int]):
-        self.group, self.world_ranks = group, world_ranks  # world_ranks[p]: the world rank of pipeline rank p
+    def __init__(self, pairs: dict, world_ranks: list[int], me: int):
+        self.pairs, self.world_ranks, self.me = pairs, world_ranks, me  # world_ranks[p]: world rank of pp rank p
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.isend(tensor.contiguous(), self.world_ranks[peer], group=self.group, tag=tag)
+        tensor = tensor.contiguous()
+        return _TorchRequest(dist.isend(tensor, self.world_ranks[peer], group=self.pairs[(self.me, peer)]), tensor)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return dist.irecv(tensor, self.world_ranks[peer], group=self.group, tag=tag)
+        return _TorchRequest(dist.irecv(tensor, self.world_ranks[peer], group=self.pairs[(peer, self.me)]), tensor)
 
 
 class _MpiRequest:
@@ -72,10 +88,11 @@ class MpiTransport:
         return _MpiRequest(self.comm.Irecv(tensor.numpy(), source=peer, tag=tag), tensor)
 
 
-def make_transport(name: str, mesh, device: torch.device):
-    """The transport `name` ("mpi" or "torch", chosen in the notebook) over `mesh`'s pp dimension (a RankMesh)."""
+def make_transport(name: str, mesh, device: torch.device, pairs: dict | None = None):
+    """The transport `name` ("mpi" or "torch", chosen in the notebook) over `mesh`'s pp dimension (a RankMesh);
+    "torch" sends over the pipeline's `pairs` (engine/pairs.py)."""
     if name == "mpi":
         if device.type != "cpu":
             raise ValueError("the MPI transport moves CPU tensors only; use transport='torch' on GPUs")
         return MpiTransport(mesh.comm("pp"))
-    return TorchTransport(mesh.group("pp"), mesh.ranks("pp"))
+    return TorchTransport(pairs or {}, mesh.ranks("pp"), mesh.coord("pp"))

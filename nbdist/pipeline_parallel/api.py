@@ -27,6 +27,7 @@ from torch import nn
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster import Cluster, current
+from nbdist.engine import pairs
 from nbdist.engine import pipeline as on_ranks
 from nbdist.errors import DistUsageError
 from nbdist.meshes import Mesh
@@ -34,6 +35,7 @@ from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
 from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
 from nbdist.schedules.generators import build
+from nbdist.schedules.nccl import check_nccl
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Timeline, measured_durations
 
@@ -124,6 +126,10 @@ class Pipeline:
         self.recent: deque[Timeline] = deque(maxlen=RECENT_STEPS)  # measured (work) timelines of the last steps
         self.loss: float | None = None
         self.view = None  # a PipelineView, once widget() was called: steps then update it live
+        self.unfinished = False  # a step began and has not been recorded (interrupted, or a stepper left midway)
+        if self.transport == "torch":
+            check_nccl(self.schedule)  # the torch transport matches messages in order, as NCCL does
+            self.cluster.run(pairs.connect, self.id, mesh)  # every rank: making groups is collective
         pipedream_lr = lr if self.schedule.name == "pipedream" else None
         self.cluster.run_each(on_ranks.setup, {r: (self._spec(r, model, optimizer, pipedream_lr),) for r in self.ranks})
 
@@ -185,6 +191,13 @@ class Pipeline:
 
     # -- the interface a step's driver uses (step() here, the Stepper) ----------------------------------------------
 
+    def begin_step(self) -> None:
+        """Before a step's first message: a step abandoned on the torch transport may have left receives posted
+        that nothing can cancel (they would take this step's messages, which match in order): new pair groups."""
+        if self.unfinished and self.transport == "torch":
+            self.cluster.run(pairs.connect, self.id, self.mesh)
+        self.unfinished = True
+
     def step_args(self, inputs, targets, loss_fn, *extra) -> dict:
         """rank -> what it receives to begin a step: each replica its share of the global batch, and within it the
         first stage the inputs, the last stage the targets (nothing else crosses the network)."""
@@ -228,6 +241,7 @@ class Pipeline:
     def record(self, results: list[dict], timeline: Timeline, tick_state=None) -> float:
         """Keep a finished step (its reports and timeline) and return its loss: the mean over the replicas of the
         mean over their micro-batches (equal shards, so the loss of the whole batch)."""
+        self.unfinished = False
         self.last_results = results
         self.recent.append(timeline)
         losses = [r["loss"] for r in results if r["loss"] is not None]
@@ -244,6 +258,7 @@ class Pipeline:
         the measured timeline in `.timeline`."""
         publish_every, progress = self.live()
         args = self.step_args(inputs, targets, loss_fn, publish_every)
+        self.begin_step()
         results = self.cluster.run_each(on_ranks.step, args, timeout=timeout, progress=progress)
         return self.record(results, self.measured_timeline({r["rank"]: r for r in results}, stepped=False))
 

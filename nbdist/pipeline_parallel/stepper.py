@@ -34,7 +34,9 @@ class Stepper:
         self.tick = 0
         self.loss: float | None = None
         self._reports: dict[int, dict] = {}
-        self.pipe.cluster.run_each(on_ranks.begin, self.pipe.step_args(*self._batch))
+        args = self.pipe.step_args(*self._batch)
+        self.pipe.begin_step()
+        self.pipe.cluster.run_each(on_ranks.begin, args)
 
     @property
     def done(self) -> bool:

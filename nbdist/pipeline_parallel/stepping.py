@@ -93,6 +93,7 @@ def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=()) 
     before it ended; the time removed is kept in the timeline's `cuts`. Within a call nothing is moved, so the
     idle time the schedule (or the tick lockstep) causes stays. A full-speed step is one call: nothing is cut.
     """
+    reports = on_one_clock(reports)
     origins: dict[int, float] = {}
     for report in reports.values():
         for call, started in enumerate(report.get("calls", ())):
@@ -113,3 +114,27 @@ def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=()) 
             rows[rank].append((action, start - shift, end - shift, wait))
         work_end = max([end - shift for _, (_, _, end, *_) in items] + ([work_end] if work_end is not None else []))
     return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts, pipelines=pipelines)
+
+
+def on_one_clock(reports: Mapping[int, Mapping]) -> dict[int, Mapping]:
+    """Reports of ranks on other hosts moved onto the first rank's host clock.
+
+    perf_counter is one clock per host, not across hosts. Every call starts with a barrier that all ranks leave at
+    (nearly) the same moment, so a rank on another host is shifted, call by call, by the difference between when it
+    and the first rank left that barrier (the barrier's own skew: microseconds on one network). Ranks on the first
+    rank's host already share its clock and are left as measured."""
+    if not reports:
+        return dict(reports)
+    first = reports[min(reports)]
+    host, reference = first.get("host"), list(first.get("calls", ()))
+    out = {}
+    for rank, report in reports.items():
+        calls = list(report.get("calls", ()))
+        if report.get("host") == host or len(calls) != len(reference):
+            out[rank] = report
+            continue
+        shift = [ref - own for ref, own in zip(reference, calls)]
+        spans = [(a, start + shift[c], end + shift[c], wait, c)
+                 for a, start, end, wait, c in (tuple(item) + (0,) * (5 - len(item)) for item in report["spans"])]
+        out[rank] = {**report, "spans": spans, "calls": reference}
+    return out

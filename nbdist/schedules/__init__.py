@@ -9,7 +9,8 @@
 """
 from nbdist.schedules.actions import Action
 from nbdist.schedules.generators import NAMES, build
+from nbdist.schedules.nccl import check_nccl
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Timeline, simulate
 
-__all__ = ["NAMES", "Action", "Schedule", "Timeline", "build", "simulate"]
+__all__ = ["NAMES", "Action", "Schedule", "Timeline", "build", "check_nccl", "simulate"]

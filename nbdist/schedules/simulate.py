@@ -12,7 +12,7 @@ after its send.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +34,16 @@ from nbdist.schedules.actions import (
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def requirements(a: Action, last_stage: int) -> list[tuple[Action, ...]]:
+def requirements(a: Action, last_stage: int, same_rank: Callable[[int, int], bool] | None = None
+                 ) -> list[tuple[Action, ...]]:
     """What `a` waits for: a list of needs, each satisfied by any one of its alternatives.
 
     Alternatives exist because an input arrives either by message (RECV_F) or, when the previous stage sits on the
-    same rank (several chunks), directly from that stage's forward.
+    same rank (several chunks), directly from that stage's forward. `same_rank(s, t)` says whether stages s and t
+    share a rank (a schedule's placement); without it both ways are taken as possible.
     """
     s, j = a.stage, a.microbatch
+    local = (lambda t: True) if same_rank is None else (lambda t: same_rank(s, t))
     if a.kind in (RECV_F, RECV_B):
         return [(a.matching(),)]
     if a.kind == SEND_F:
@@ -48,26 +51,34 @@ def requirements(a: Action, last_stage: int) -> list[tuple[Action, ...]]:
     if a.kind == SEND_B:
         return [(Action(s, BACKWARD, j), Action(s, BACKWARD_INPUT, j))]
     if a.kind == FORWARD:
-        return [] if s == 0 else [(Action(s, RECV_F, j), Action(s - 1, FORWARD, j))]
+        return [] if s == 0 else [(Action(s, RECV_F, j),) + ((Action(s - 1, FORWARD, j),) if local(s - 1) else ())]
     if a.kind in (BACKWARD, BACKWARD_INPUT):
         needs = [(Action(s, FORWARD, j),)]
         if s != last_stage:
-            needs.append((Action(s, RECV_B, j), Action(s + 1, BACKWARD, j), Action(s + 1, BACKWARD_INPUT, j)))
+            from_next = (Action(s + 1, BACKWARD, j), Action(s + 1, BACKWARD_INPUT, j)) if local(s + 1) else ()
+            needs.append((Action(s, RECV_B, j),) + from_next)
         return needs
     if a.kind == BACKWARD_WEIGHT:
         return [(Action(s, BACKWARD_INPUT, j),)]
     raise ValueError(a)
 
 
-def ready(a: Action, done: set[Action] | Mapping[Action, Any], last_stage: int) -> bool:
+def same_rank_of(schedule) -> Callable[[int, int], bool]:
+    """Whether two stages of `schedule` live on the same rank (a message is needed between them otherwise)."""
+    return lambda s, t: schedule.rank_of(s) == schedule.rank_of(t)
+
+
+def ready(a: Action, done: set[Action] | Mapping[Action, Any], last_stage: int,
+          same_rank: Callable[[int, int], bool] | None = None) -> bool:
     """Can `a` run now, given the actions already done anywhere (a set, or a dict keyed by action)?"""
-    return all(any(x in done for x in alternatives) for alternatives in requirements(a, last_stage))
+    return all(any(x in done for x in alternatives) for alternatives in requirements(a, last_stage, same_rank))
 
 
-def _inputs_at(a: Action, finished: Mapping[Action, float], last_stage: int, comm: float) -> float:
+def _inputs_at(a: Action, finished: Mapping[Action, float], last_stage: int, comm: float,
+               same_rank: Callable[[int, int], bool] | None = None) -> float:
     """When `a`'s inputs are all there, given when each done action finished (a message adds `comm`)."""
     time = 0.0
-    for alternatives in requirements(a, last_stage):
+    for alternatives in requirements(a, last_stage, same_rank):
         time = max(time, max(finished[x] for x in alternatives if x in finished))
     return time + comm if a.kind in (RECV_F, RECV_B) else time
 
@@ -109,7 +120,7 @@ def ticks(schedule) -> Iterator[list[tuple[int, Action]]]:
         runnable = [
             (r, acts[position[r]])
             for r, acts in schedule.program.items()
-            if position[r] < len(acts) and ready(acts[position[r]], done, last)
+            if position[r] < len(acts) and ready(acts[position[r]], done, last, same_rank_of(schedule))
         ]
         if not runnable:
             rank, acts = next((r, acts) for r, acts in schedule.program.items() if position[r] < len(acts))
@@ -338,7 +349,7 @@ def simulate(schedule, forward: Durations = 1.0, backward: Durations = 2.0, weig
     spans: dict[int, list[Span]] = {r: [] for r in sorted(schedule.program)}
     for runnable in ticks(schedule):
         for rank, a in runnable:
-            span = _play(a, clock[rank], _inputs_at(a, finished, last, comm), times)
+            span = _play(a, clock[rank], _inputs_at(a, finished, last, comm, same_rank_of(schedule)), times)
             spans[rank].append(span)
             clock[rank] = finished[a] = span.end
     return Timeline(spans, unit="", name=schedule.name)
