@@ -32,7 +32,7 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Run, format_table, put_mpiexec_on_path
+from common import Measure, Run, format_table, parse_size, put_mpiexec_on_path
 
 put_mpiexec_on_path()
 
@@ -143,12 +143,6 @@ def details(iters: dict, gloo_vs_mpi: dict, sweep: BenchmarkResult | None) -> tu
         text, fits = fits_text(sweep)
         parts += ["", sweep.table(), "", "alpha-beta fits of the all-reduce sweep (relative least squares):", text]
     return "\n".join(parts), fits
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,6 +40,13 @@ def put_mpiexec_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
 
 
+def parse_size(text: str) -> int:
+    """"4K" -> 4096, "64M" -> 67108864, "512" -> 512 (binary prefixes, as the sizes S of nccl-tests)."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
 def quantile(xs: list[float], q: float) -> float:
     """The q-quantile (0 < q < 1) of the samples, interpolated as statistics.quantiles does."""
     if len(xs) < 2:
@@ -314,11 +321,12 @@ class Run:
         for line in self.matching(ours=False):
             self.foreign.setdefault(line, text.strip()[:60])
 
-    def start(self, n: int):
-        """An nbdist cluster of n engines (any running one is replaced) that can import benchmarks/on_ranks.py."""
+    def start(self, n: int, **options):
+        """An nbdist cluster of n engines (any running one is replaced; `options` as nbdist.start takes them, e.g.
+        backend="mpi") that can import benchmarks/on_ranks.py."""
         import nbdist
 
-        cluster = nbdist.start(n, restart=True)
+        cluster = nbdist.start(n, restart=True, **options)
         self.clusters.append(cluster)
         self.track(cluster)
         cluster.execute(f"import sys; sys.path.insert(0, {BENCH_DIR!r})", output="none")

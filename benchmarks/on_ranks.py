@@ -242,3 +242,50 @@ def plain_all_reduce(nbytes: int, k: int, warmup: int) -> float:
     for _ in range(k):
         dist.all_reduce(x)
     return (time.perf_counter() - start) / k
+
+
+# -- tensor parallel: one MLP split over every rank (DTensor), on whatever backend the cluster started with ---------
+
+
+class TensorParallelMlp:
+    """The model `build` makes, its Linear layers alternately column- and row-parallel over all ranks
+    (`parallelize_module`), SGD, and one batch every rank sees whole (tensor parallelism splits the weights)."""
+
+    def __init__(self, build: bytes, x, y, lr: float):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = cloudpickle.loads(build)()
+        linears = [name for name, m in model.named_children() if isinstance(m, torch.nn.Linear)]
+        plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i, name in enumerate(linears)}
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        self.model = parallelize_module(model, mesh, plan)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        self.batch = x, y
+
+    def steps(self, k: int) -> dict:
+        """k training steps after a barrier; this rank's start and end (perf_counter) and the last loss."""
+        x, y = self.batch
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            self.optimizer.step()
+        return {"start": start, "end": time.perf_counter(), "loss": loss.item()}
+
+    def describe(self) -> str:
+        return "a tensor-parallel MLP (benchmark)"
+
+    def memory_bytes(self) -> int:
+        return sum(p.to_local().numel() * p.element_size() for p in self.model.parameters())
+
+
+def tp_setup(key: str, build: bytes, x, y, lr: float) -> str:
+    registry.put(KIND, key, TensorParallelMlp(build, x, y, lr))
+    return str(dist.get_backend())
+
+
+def tp_steps(key: str, k: int) -> dict:
+    return registry.get(KIND, key).steps(k)

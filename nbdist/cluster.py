@@ -185,10 +185,34 @@ class Cluster:
             engines_alive=self._engines_alive,
             timeout=timeout,
             relay=OutputRelay(ranks, show) if show is not None else None,
-            after_failure=self._back_in_step if any(d.startswith("cuda") for d in self.devices) else None,
+            after_failure=self._back_in_step,
         )
 
     def _back_in_step(self) -> str:
+        """After a rank failed and the engines survived: GPUs synchronised (or the engines restarted), then nbdist's
+        MPI groups renewed. Returns what was done, for the error line ("" when nothing needed doing)."""
+        if any(d.startswith("cuda") for d in self.devices):
+            done = self._gpus_in_step()
+            if "restarted" in done:
+                return done
+        else:
+            done = ""
+        return "; ".join(part for part in (done, self._renew_mpi_groups()) if part)
+
+    def _renew_mpi_groups(self) -> str:
+        """After ranks were interrupted inside an operation of nbdist's MPI backend, its groups are out of step (MPI
+        cannot cancel a collective): every rank gives each of them a fresh communicator (engine/mpi_backend.renew),
+        and the engines and their variables are kept. Nothing to do, and nothing said, where no such group exists."""
+        from nbdist.engine import mpi_backend
+
+        try:
+            renewed = self._view(list(range(self.world_size))).apply_async(mpi_backend.renew).get(timeout=60)
+        except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
+            return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
+        count = max((len(groups) for groups in renewed), default=0)
+        return f"their {count} MPI group(s) renewed, engine variables kept" if count else ""
+
+    def _gpus_in_step(self) -> str:
         """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
         wrong operation. Every rank synchronises its GPU within GPU_SYNC_SECONDS; if one cannot, the only safe way
         back is fresh engines (engine/gpu_sync.py). Returns what was done, for the error line."""

@@ -15,7 +15,7 @@ from nbdist.checks import one_of, positive_seconds, whole_number
 from nbdist.engine import devices
 from nbdist.errors import DistUsageError
 
-BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU
+BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU; "mpi": nbdist's MPI backend (CPU engines)
 ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
 DEFAULT_CPU_ENGINES = 2
 HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")

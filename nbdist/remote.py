@@ -105,7 +105,7 @@ class Waiter:
     relay: OutputRelay | None = None
     progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
     progress_every: float = 0.5
-    after_failure: Callable[[], str] | None = None  # NCCL clusters: bring the ranks back in step, say how
+    after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
     _restarted: bool = False
 
     def wait(self) -> list:
@@ -133,13 +133,13 @@ class Waiter:
                     reason, action = f"timed out after {self.timeout:g} s", self._free_stuck()
                     break
         except KeyboardInterrupt:
-            self._raise_failures("interrupted", self._free_stuck(), DistInterrupt)
+            self._raise_failures("interrupted", self._back_in_step(self._free_stuck()), DistInterrupt)
         if action is None and any(_engine_died(e) for e in self._failed_ranks().values()):
             # every rank's result came back (as EngineError) before the launcher noticed the job had ended
             reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
         self._finish_output()
-        if self.after_failure is not None and self._failed_ranks() and not self._restarted:
-            action = "; ".join(part for part in (action, self.after_failure()) if part)
+        if self._failed_ranks():
+            action = self._back_in_step(action)
         self._raise_failures(reason, action)
         return [child.result() for _, child in self._children()]
 
@@ -182,6 +182,12 @@ class Waiter:
             f"rank(s) {_ranks_text(still)} kept running (stuck in a collective?) and did not stop on interrupt, "
             + self._restart()
         )
+
+    def _back_in_step(self, action: str | None) -> str | None:
+        """After a failure the engines survived: `after_failure` brings them back in step; its words join the line."""
+        if self.after_failure is None or self._restarted:
+            return action
+        return "; ".join(part for part in (action, self.after_failure()) if part) or None
 
     def _restart(self) -> str:
         self._finish_output()

@@ -32,6 +32,11 @@ def test_gloo_or_cpu_means_a_cpu_engine_whatever_the_gpus(requested, cpu):
         assert bind(requested, cpu, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == Binding("cpu", "gloo")
 
 
+def test_mpi_means_a_cpu_engine_on_nbdists_mpi_backend_whatever_the_gpus():
+    for gpus in (0, 1, 8):
+        assert bind("mpi", False, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == Binding("cpu", "mpi4py")
+
+
 def test_auto_without_gpus_is_a_cpu_engine_with_gloo():
     assert bind("auto", False, local_rank=1, ranks_on_host=2, gpus=0, host="h") == CPU_ENGINE
     assert CPU_ENGINE.gpu_index is None and CPU_BACKEND == "gloo"
@@ -58,7 +63,7 @@ def test_more_ranks_than_gpus_on_a_host_is_refused_naming_host_and_counts(reques
 @pytest.mark.parametrize("requested, cpu, gpus, message", [
     ("nccl", False, 0, "--backend nccl needs GPUs and host node7 has none visible; use --backend gloo"),
     ("nccl", True, 4, "--cpu and --backend nccl contradict each other: NCCL needs GPUs"),
-    ("mpi", False, 4, "unknown backend 'mpi': choose one of auto, gloo, nccl"),
+    ("ucc", False, 4, "unknown backend 'ucc': choose one of auto, gloo, nccl, mpi"),
 ])
 def test_impossible_requests_are_refused_in_one_line(requested, cpu, gpus, message):
     with pytest.raises(DistUsageError, match=f"^{re.escape(message)}$"):
@@ -193,6 +198,15 @@ def test_a_cpu_cluster_reduces_cpu_tensors_and_shows_its_backend(cluster):
     lines = str(status).splitlines()
     assert lines[0].split() == ["rank", "host", "pid", "device", "backend", "memory"]
     assert [line.split()[3:5] for line in lines[1:3]] == [["cpu", "gloo"], ["cpu", "gloo"]]
+
+
+def test_backend_mpi_starts_cpu_engines_whose_process_group_is_nbdists_mpi_backend():
+    """`%dist_start --backend mpi`: every torch.distributed call of a cell goes through MPI (engine/mpi_backend.py)."""
+    with nbdist.Cluster(ClusterOptions(n=2, backend="mpi")).start() as mpi_cluster:
+        for r in mpi_cluster.run(_cpu_tensors_and_backend):
+            assert torch.equal(r["sum"], torch.tensor([3.0, 3.0]))
+            assert r["reported"] == r["torch"] == "mpi4py" and r["device"] == "cpu" and not r["cuda_initialised"]
+        assert [row["backend"] for row in mpi_cluster.status().rows] == ["mpi4py"] * 2
 
 
 def _device_map_group() -> dict:

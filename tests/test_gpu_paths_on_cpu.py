@@ -51,4 +51,5 @@ def test_no_failure_no_resynchronisation(two):
 
 def test_cpu_ranks_are_always_in_step(two):
     assert two.run(gpu_sync.synchronise, 1.0) == [True, True]
-    assert two._back_in_step().endswith("in step")
+    assert two._gpus_in_step().endswith("in step")
+    assert two._back_in_step() == ""  # CPU engines, no MPI-backend group: nothing to do, nothing said

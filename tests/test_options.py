@@ -12,7 +12,7 @@ from nbdist.options import ClusterOptions, max_cpu_engines
         (dict(n=0), "-n must be at least 1"),
         (dict(n=-3), "-n must be at least 1"),
         (dict(n=100_000), "more engines than this machine can hold"),
-        (dict(backend="mpi"), "unknown backend 'mpi'"),
+        (dict(backend="ucc"), "unknown backend 'ucc': choose auto, gloo, nccl, mpi"),
         (dict(backend="nccl"), "--backend nccl needs GPUs"),
         (dict(timeout=0), "--timeout must be a positive"),
         (dict(timeout="5"), "--timeout must be a number of seconds, got '5'"),

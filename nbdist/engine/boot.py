@@ -86,6 +86,10 @@ def _init_process_group(binding: devices.Binding, store, rank: int, size: int, t
     import torch.distributed as dist
 
     accepted = inspect.signature(dist.init_process_group).parameters
+    if binding.backend == devices.MPI_BACKEND:
+        from nbdist.engine import mpi_backend
+
+        mpi_backend.register()
     dist.init_process_group(binding.backend, store=store, rank=rank, world_size=size, timeout=timeout,
                             **devices.init_options(binding, accepted))
     return str(dist.get_backend())

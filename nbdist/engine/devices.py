@@ -4,7 +4,9 @@ Why pure: the rules must hold on GPU machines the tests never see, so they take 
 tests try any counts on CPU. boot.py measures the counts on the engine and applies the result.
 
 The rules:
-- `--cpu` or `--backend gloo` means CPU engines: no CUDA device is bound. gloo's CUDA support is broadcast and
+- `--cpu`, `--backend gloo` or `--backend mpi` means CPU engines: no CUDA device is bound. `mpi` is nbdist's own
+  torch.distributed backend over mpi4py (engine/mpi_backend.py, registered as "mpi4py": torch keeps "mpi" for
+  its source-build ProcessGroupMPI). gloo's CUDA support is broadcast and
   all_reduce only, so gloo ranks on a GPU would fail at the pipeline's point-to-point messages and at `trace()`.
 - A GPU engine binds `cuda:<local rank>`: NCCL runs one rank per GPU, so more ranks on a host than GPUs visible
   there is refused in one line naming the host and both counts (no `local_rank % device_count` wrap, which would
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 
 from nbdist.errors import DistUsageError
 
-REQUESTS = ("auto", "gloo", "nccl")  # what --backend accepts
+REQUESTS = ("auto", "gloo", "nccl", "mpi")  # what --backend accepts
 CPU_BACKEND = "gloo"
+MPI_BACKEND = "mpi4py"  # the name engine/mpi_backend.py registers with torch.distributed
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 
@@ -42,11 +45,12 @@ class Binding:
 
 
 CPU_ENGINE = Binding("cpu", CPU_BACKEND)
+MPI_ENGINE = Binding("cpu", MPI_BACKEND)
 
 
 def wants_gpus(requested: str, cpu: bool) -> bool:
-    """Whether engines look for GPUs at all: not with --cpu, nor with --backend gloo (CPU engines, see above)."""
-    return not cpu and requested != "gloo"
+    """Whether engines look for GPUs at all: not with --cpu, nor with --backend gloo or mpi (CPU engines)."""
+    return not cpu and requested not in ("gloo", "mpi")
 
 
 def bind(requested: str, cpu: bool, local_rank: int, ranks_on_host: int, gpus: int, host: str) -> Binding:
@@ -56,6 +60,8 @@ def bind(requested: str, cpu: bool, local_rank: int, ranks_on_host: int, gpus: i
         raise DistUsageError(f"unknown backend {requested!r}: choose one of {', '.join(REQUESTS)}")
     if cpu and requested == "nccl":
         raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
+    if requested == "mpi":
+        return MPI_ENGINE
     if not wants_gpus(requested, cpu) or (gpus == 0 and requested == "auto"):
         return CPU_ENGINE
     if gpus == 0:

@@ -135,6 +135,6 @@ def on_one_clock(reports: Mapping[int, Mapping]) -> dict[int, Mapping]:
             continue
         shift = [ref - own for ref, own in zip(reference, calls)]
         spans = [(a, start + shift[c], end + shift[c], wait, c)
-                 for a, start, end, wait, c in (tuple(item) + (0,) * (5 - len(item)) for item in report["spans"])]
+                 for a, start, end, wait, c in (tuple(item) + (0,) * (5 - len(item)) for item in report.get("spans", ()))]
         out[rank] = {**report, "spans": spans, "calls": reference}
     return out
