@@ -191,12 +191,10 @@ class Cluster:
     def _back_in_step(self) -> str:
         """After a rank failed and the engines survived: GPUs synchronised (or the engines restarted), then nbdist's
         MPI groups renewed. Returns what was done, for the error line ("" when nothing needed doing)."""
-        if any(d.startswith("cuda") for d in self.devices):
-            done = self._gpus_in_step()
-            if "restarted" in done:
-                return done
-        else:
-            done = ""
+        generation = self.generation
+        done = self._gpus_in_step() if any(d.startswith("cuda") for d in self.devices) else ""
+        if self.generation != generation:  # restarted: fresh engines hold no group to renew
+            return done
         return "; ".join(part for part in (done, self._renew_mpi_groups()) if part)
 
     def _renew_mpi_groups(self) -> str:
