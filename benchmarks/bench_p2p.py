@@ -2,14 +2,15 @@
 """Does the MPI transport (what transport="auto" picks on CPU) move one activation faster than torch.distributed?
 
 A pipeline's stages exchange one micro-batch's activation (and its gradient) per message. On CPU engines nbdist sends
-them over MPI (MPICH's shared memory, the mesh's pp communicator) rather than torch.distributed's gloo (TCP
-loopback), which torch's own pipelining uses. This checks that choice: one-way latency (ping-pong round trip / 2)
+them over MPI directly (MPICH's shared memory, the mesh's pp communicator) rather than through torch.distributed,
+which torch's own pipelining uses: on the CPU default backend (mpi4py, nbdist's torch.distributed over MPI) or on
+gloo (TCP loopback; --backend gloo). This checks that choice: one-way latency (ping-pong round trip / 2)
 of one activation between two engines through each of nbdist's transports (`nbdist.engine.transport.make_transport`
 over the mesh `nbdist.mesh(pp=2)`, as a pipeline makes them), sides interleaved (who goes first rotates), after a
 warm-up; per repetition the median of --count round trips, medians over the repetitions.
-Target: MPI / torch(gloo) latency <= 1.0 at every size.
+Target: MPI / torch latency <= 1.0 at every size.
 
-    python benchmarks/bench_p2p.py [--sizes 256x8/128,512x8/256] [--repeats 5] [--count 200]
+    python benchmarks/bench_p2p.py [--backend mpi|gloo] [--sizes 256x8/128,512x8/256] [--repeats 5] [--count 200]
 
 Sizes are the pipeline benchmarks' WIDTHxLAYERS/BATCH: the message is one of 8 micro-batches' activation,
 (BATCH / 8) x WIDTH float32.
@@ -31,6 +32,7 @@ TRANSPORTS = ("mpi", "torch")
 MICROBATCHES = 8
 TAGS = (32000, 32001)  # no pipeline runs meanwhile: any tags will do
 TARGET = 1.0
+BACKEND_NAMES = {"mpi": "torch.distributed over mpi4py", "gloo": "gloo"}
 
 
 def one_way_us(cluster: nbdist.Cluster, mesh, transport: str, shape: tuple, count: int) -> list[float]:
@@ -55,7 +57,7 @@ def measure(cluster: nbdist.Cluster, size: Mlp, args, log) -> tuple[Measure, dic
     log(f"  {size}: {kib:g} KiB: mpi {statistics.median(medians['mpi']):.0f} us, torch "
         f"{statistics.median(medians['torch']):.0f} us")
     row = Measure(f"one-way latency, {kib:g} KiB ({shape[0]}x{shape[1]} float32)", "us", medians["mpi"],
-                  medians["torch"], "ratio<=", TARGET, anchor_name="torch transport (gloo)")
+                  medians["torch"], "ratio<=", TARGET, anchor_name=f"torch transport ({BACKEND_NAMES[args.backend]})")
     spread = {t: {"p10_us": quantile(v, 0.1), "median_us": statistics.median(v), "p90_us": quantile(v, 0.9)}
               for t, v in every.items()}
     return row, {"message_kib": kib, **spread}
@@ -74,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="256x8/128,512x8/256", help="pipeline sizes WIDTHxLAYERS/BATCH, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="repetitions per transport (default 5)")
     p.add_argument("--count", type=int, default=200, help="round trips per repetition (default 200)")
+    p.add_argument("--backend", default="mpi", choices=("mpi", "gloo"),
+                   help="the cluster's torch.distributed backend, which the torch transport goes through (default mpi, "
+                        "the CPU engines' default)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = p.parse_args(argv)
     args.size_list = Mlp.parse_list(args.sizes)
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     measures, spread = [], {}
     with Run() as run:
         run.log("2 engines: starting (point-to-point latency)")
-        cluster = run.start(2)
+        cluster = run.start(2, backend=args.backend)
         for size in args.size_list:
             row, spread[str(size)] = measure(cluster, size, args, run.log)
             measures.append(row)

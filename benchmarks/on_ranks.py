@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nbdist.engine import pipeline, rank_mesh, registry
+from nbdist.engine import pairs, pipeline, rank_mesh, registry
 from nbdist.engine.transport import make_transport
 
 KIND = "benchmark"
@@ -33,11 +33,22 @@ def nbdist_steps(args: tuple, k: int) -> dict:
     return {"start": start, "end": time.perf_counter(), "reports": reports}
 
 
+def _pair_groups(me, transport: str) -> dict | None:
+    """The torch transport sends over one process group per direction between neighbours (engine/pairs.py), made
+    once per mesh like a pipeline's (collective: every rank of the world runs pingpong)."""
+    if transport != "torch":
+        return None
+    name = f"bench-p2p-{me.mesh.name}"
+    if registry.find(pairs.KIND, name) is None:
+        pairs.connect(name, me.mesh)
+    return registry.find(pairs.KIND, name)
+
+
 def pingpong(mesh: str, transport: str, shape: tuple, count: int, tags: tuple) -> list[float]:
     """Round trips (seconds) of one tensor between pipeline ranks 0 and 1 of `mesh` through nbdist's transport,
     timed on rank 0 (the others return [])."""
     me = rank_mesh.here(mesh)
-    t = make_transport(transport, me, torch.device("cpu"))
+    t = make_transport(transport, me, torch.device("cpu"), _pair_groups(me, transport))
     rank = me.coord("pp")
     buf = torch.ones(shape)
     dist.barrier()

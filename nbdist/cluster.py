@@ -32,7 +32,7 @@ class Status:
     """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
     and in a terminal (text).
 
-    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "gloo" on CPU engines,
+    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "mpi4py" on CPU engines (nbdist's torch.distributed over MPI; "gloo" when asked for),
     "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors through NCCL, CPU tensors through gloo). A friendlier name
     would be one more thing to translate. GPU memory is what NVML says the process holds (context, NCCL buffers,
     torch's cache); where NVML cannot see the process, torch's cache only, and the cell says so.
@@ -200,15 +200,17 @@ class Cluster:
     def _renew_mpi_groups(self) -> str:
         """After ranks were interrupted inside an operation of nbdist's MPI backend, its groups are out of step (MPI
         cannot cancel a collective): every rank gives each of them a fresh communicator (engine/mpi_backend.renew),
-        and the engines and their variables are kept. Nothing to do, and nothing said, where no such group exists."""
+        and the engines and their variables are kept. Said only where some rank gave up an operation."""
         from nbdist.engine import mpi_backend
 
         try:
             renewed = self._view(list(range(self.world_size))).apply_async(mpi_backend.renew).get(timeout=60)
         except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
             return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
-        count = max((len(groups) for groups in renewed), default=0)
-        return f"their {count} MPI group(s) renewed, engine variables kept" if count else ""
+        count = max((len(r["renewed"]) for r in renewed), default=0)
+        if not any(r["broken"] for r in renewed):
+            return ""  # no operation was given up: renewed quietly (a stray message may have been left behind)
+        return f"their {count} MPI group(s) renewed, engine variables kept"
 
     def _gpus_in_step(self) -> str:
         """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
@@ -349,7 +351,7 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
 def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Cluster:
     """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
 
-    Options: cpu, backend ("gloo" | "nccl"), timeout (start-up, seconds), mpi_args, collective_timeout.
+    Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds), mpi_args, collective_timeout.
     A running cluster is kept (a note says so) unless `restart=True`.
     """
     global _current

@@ -31,7 +31,7 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of engines (default: one per GPU, else 2)")
     @argument("--cpu", action="store_true", help="CPU engines even where GPUs exist")
-    @argument("--backend", default="auto", help="gloo or mpi (CPU engines; mpi: torch.distributed over MPI shared memory) or nccl (one GPU per engine, CPU tensors through gloo); default: nccl on GPUs, else gloo")
+    @argument("--backend", default="auto", help="gloo or mpi (CPU engines; mpi: torch.distributed over MPI shared memory) or nccl (one GPU per engine, CPU tensors through gloo); default: nccl on GPUs, else mpi")
     @argument("--timeout", type=float, default=60.0, help="seconds the start-up may take")
     @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "--hostfile hosts"')
     @argument("--restart", action="store_true", help="replace a running cluster")

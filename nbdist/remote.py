@@ -21,7 +21,8 @@ from nbdist.errors import DistError, DistInterrupt
 from nbdist.tracebacks import remote_summary, remote_traceback
 
 ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
-INTERRUPT_WAIT_SECONDS = 1.5  # how long an interrupted rank may take to stop before we restart the engines
+INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was
+# seen too short once on 2 cores under a load of 8+ busy processes: a rank polling MPI was restarted, not freed)
 SHOW_MODES = ("rank0", "all", "none")
 
 

@@ -29,7 +29,7 @@ check failed, else 0.
 
     python scripts/gpu_check.py                        # a machine with a GPU (about 3-8 minutes)
     python scripts/gpu_check.py --out $OUT/gpu.json    # elsewhere (the device machine: results come back in $OUT)
-    python scripts/gpu_check.py --on-cpu               # CPU engines (gloo): every check with a CPU meaning runs,
+    python scripts/gpu_check.py --on-cpu               # CPU engines (mpi4py): every check with a CPU meaning runs,
                                                        # the CUDA-only ones are recorded "skipped: no GPU"
     python scripts/gpu_check.py --only ddp_hooks,pipeline_equals_serial   # rerun some checks
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run = Run(gpu=not args.on_cpu)
     started = time.perf_counter()
-    summary = {"mode": "gpu" if run.gpu else "cpu (--on-cpu: CPU engines, gloo)", **environment(run)}
+    summary = {"mode": "gpu" if run.gpu else "cpu (--on-cpu: CPU engines, mpi4py)", **environment(run)}
     summary["checks"] = run_checks(run, selected(args.only))
     summary["cluster_start"] = run.started
     summary["seconds"] = round(time.perf_counter() - started, 1)
@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON summary (default {DEFAULT_OUT})")
     parser.add_argument("--on-cpu", action="store_true",
-                        help="CPU engines (gloo): run the checks with a CPU meaning, skip the CUDA-only ones")
+                        help="CPU engines (mpi4py, the CPU default): run the checks with a CPU meaning, skip the CUDA-only ones")
     parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
     return parser.parse_args(argv)
 
@@ -268,11 +268,12 @@ def write_summary(summary: dict, out: Path) -> None:
 
 
 def check_engine_on_device(run: Run) -> dict:
-    """The status table says where the engine computes: cuda:0 and nccl on GPU; cpu and gloo with --on-cpu."""
+    """The status table says where the engine computes: cuda:0 and nccl on GPU; cpu and mpi4py (the CPU default)
+    with --on-cpu."""
     rows = note_engines(run)
     seen = [{k: row[k] for k in ("rank", "device", "backend", "pid")} for row in rows]
     versions = run.cluster.run(on_rank_versions, timeout=60)[0]
-    want_device, want_backend = ("cuda:0", "nccl") if run.gpu else ("cpu", "gloo")
+    want_device, want_backend = ("cuda:0", "nccl") if run.gpu else ("cpu", "mpi4py")
     wrong = [r for r in seen if r["device"] != want_device or want_backend not in r["backend"]]
     if wrong:
         raise CheckFailed(f"expected device {want_device} with {want_backend}, the status rows say {wrong}",
@@ -342,7 +343,7 @@ def _collectives(run: Run, where: str) -> dict:
 
 def check_collectives_benchmark(run: Run) -> dict:
     """The project's own sweep, every op, small sizes, every result checked by the benchmark itself."""
-    want = "nccl" if run.gpu else "gloo"
+    want = "nccl" if run.gpu else "mpi4py"
     rows = nbdist.collectives.benchmark(sizes=[4096, 2**20], via="torch", cluster=run.cluster, warmup=2,
                                         target_seconds=0.02).to_dicts()
     shown = [{k: r[k] for k in ("op", "size_bytes", "seconds", "busbw", "iters", "checked", "backend", "note")}

@@ -8,7 +8,7 @@ import nbdist
 
 @pytest.fixture(scope="session")
 def cluster():
-    """A real cluster: controller + 2 MPI engines, gloo process group initialised."""
+    """A real cluster: controller + 2 MPI engines, torch.distributed initialised (mpi4py, the CPU default)."""
     c = nbdist.start(2)
     yield c
     c.stop()

@@ -19,17 +19,22 @@ from test_hooks import assert_params_close, build_model, serial
 import nbdist
 from nbdist.cluster import Status
 from nbdist.engine import devices
-from nbdist.engine.devices import CPU_BACKEND, CPU_ENGINE, GPU_BACKEND, Binding, backend_for, bind, check_world
+from nbdist.engine.devices import CPU_BACKEND, CPU_ENGINE, GPU_BACKEND, MPI_ENGINE, Binding, backend_for, bind, check_world
 from nbdist.errors import DistError, DistUsageError
 from nbdist.options import ClusterOptions
 
 # -- which device, which backend (GPU count injected) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("requested, cpu", [("gloo", False), ("auto", True), ("gloo", True)])
-def test_gloo_or_cpu_means_a_cpu_engine_whatever_the_gpus(requested, cpu):
+@pytest.mark.parametrize("cpu", [False, True])
+def test_gloo_means_a_cpu_engine_on_gloo_whatever_the_gpus(cpu):
     for gpus in (0, 1, 8):
-        assert bind(requested, cpu, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == Binding("cpu", "gloo")
+        assert bind("gloo", cpu, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == Binding("cpu", "gloo")
+
+
+def test_cpu_means_a_cpu_engine_on_the_mpi_backend_whatever_the_gpus():
+    for gpus in (0, 1, 8):
+        assert bind("auto", True, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == MPI_ENGINE
 
 
 def test_mpi_means_a_cpu_engine_on_nbdists_mpi_backend_whatever_the_gpus():
@@ -37,9 +42,10 @@ def test_mpi_means_a_cpu_engine_on_nbdists_mpi_backend_whatever_the_gpus():
         assert bind("mpi", False, local_rank=0, ranks_on_host=2, gpus=gpus, host="h") == Binding("cpu", "mpi4py")
 
 
-def test_auto_without_gpus_is_a_cpu_engine_with_gloo():
-    assert bind("auto", False, local_rank=1, ranks_on_host=2, gpus=0, host="h") == CPU_ENGINE
-    assert CPU_ENGINE.gpu_index is None and CPU_BACKEND == "gloo"
+def test_auto_without_gpus_is_a_cpu_engine_on_the_mpi_backend():
+    """The CPU default is nbdist's torch.distributed over MPI (engine/mpi_backend.py), gloo only when asked for."""
+    assert bind("auto", False, local_rank=1, ranks_on_host=2, gpus=0, host="h") == MPI_ENGINE == Binding("cpu", "mpi4py")
+    assert MPI_ENGINE.gpu_index is None and CPU_ENGINE.gpu_index is None and CPU_BACKEND == "gloo"
 
 
 @pytest.mark.parametrize("requested", ["auto", "nccl"])
@@ -191,13 +197,13 @@ def test_a_cpu_cluster_reduces_cpu_tensors_and_shows_its_backend(cluster):
     results = cluster.run(_cpu_tensors_and_backend)
     for r in results:
         assert torch.equal(r["sum"], torch.tensor([3.0, 3.0]))
-        assert r["reported"] == r["torch"] == "gloo" and r["device"] == "cpu" and not r["cuda_initialised"]
+        assert r["reported"] == r["torch"] == "mpi4py" and r["device"] == "cpu" and not r["cuda_initialised"]
     status = cluster.status()
-    assert [(row["device"], row["backend"]) for row in status.rows] == [("cpu", "gloo")] * 2
+    assert [(row["device"], row["backend"]) for row in status.rows] == [("cpu", "mpi4py")] * 2
     assert all("gpu_mib" not in row for row in status.rows)
     lines = str(status).splitlines()
     assert lines[0].split() == ["rank", "host", "pid", "device", "backend", "memory"]
-    assert [line.split()[3:5] for line in lines[1:3]] == [["cpu", "gloo"], ["cpu", "gloo"]]
+    assert [line.split()[3:5] for line in lines[1:3]] == [["cpu", "mpi4py"], ["cpu", "mpi4py"]]
 
 
 def test_backend_mpi_starts_cpu_engines_whose_process_group_is_nbdists_mpi_backend():

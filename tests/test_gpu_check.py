@@ -86,7 +86,7 @@ def test_on_cpu_the_checks_measured_what_they_claim(cpu_run):
     assert checks["engine_on_device"]["rows"][0]["device"] == "cpu"
     assert set(checks["collectives_cpu_tensors"]["ops"].values()) == {"ok"}
     rows = checks["collectives_benchmark"]["rows"]
-    assert rows and all(r["checked"] and r["backend"] == "gloo" and r["seconds"] > 0 for r in rows)
+    assert rows and all(r["checked"] and r["backend"] == "mpi4py" and r["seconds"] > 0 for r in rows)
     hooks = checks["ddp_hooks"]["hooks"]
     assert set(hooks) == {"auto", *HOOKS} and {h["outcome"] for h in hooks.values()} == {"equal"}
     steps = checks["pipeline_equals_serial"]["steps"]

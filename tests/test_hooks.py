@@ -157,11 +157,15 @@ def _bad_input() -> list[str]:
     return out
 
 
-def _auto_and_ddp() -> dict:
+def _auto_and_ddp(backend: str | None = None) -> dict:
+    """ddp() with hook "auto" on the world's process group, or on a new group of every rank on `backend`."""
+    import torch.distributed as dist
+
     from nbdist.engine.ddp import ddp
     from nbdist.engine.hooks import choose
 
-    model = ddp(build_model(), bucket_cap_mb=1)
+    group = None if backend is None else dist.new_group(backend=backend)  # collective: every rank
+    model = ddp(build_model(), bucket_cap_mb=1, process_group=group)
     return {
         "auto": choose(model),
         "state": model.comm_hook_state.name,
@@ -273,8 +277,12 @@ def test_bad_input_is_refused(cluster):
         assert got.startswith("DistUsageError: ") and want in got, got
 
 
-def test_ddp_auto_picks_mpi_on_cpu_engines(cluster):
+def test_ddp_auto_keeps_ddps_all_reduce_on_the_mpi_backend_and_picks_the_mpi_hook_over_gloo(cluster):
+    """On CPU engines' default backend (mpi4py) DDP's own all-reduce already goes through MPI: "auto" keeps it
+    ("torch"). On a gloo group "auto" all-reduces through MPI with nbdist's hook."""
     for r in cluster.run(_auto_and_ddp):
+        assert r == {"auto": "torch", "state": "torch", "cap": 2**20, "view": True}
+    for r in cluster.run(_auto_and_ddp, "gloo"):
         assert r == {"auto": "mpi", "state": "mpi", "cap": 2**20, "view": True}
 
 
@@ -343,10 +351,11 @@ def test_accumulation_with_no_sync_equals_serial_with_fewer_all_reduces(cluster)
 
 
 def test_powersgd_on_several_buckets_is_avoided_or_refused(cluster):
-    """torch's PowerSGD hook fails on gloo with two buckets (hangs or aborts): ddp() avoids it, register_hook
-    refuses it."""
+    """torch's PowerSGD hook fails on gloo and on mpi4py (the CPU default) with two buckets (hangs or aborts): ddp()
+    avoids it, register_hook refuses it. With one bucket it trains: PowerSGD waits on its second all-reduce inside
+    the first one's callback, which the mpi4py backend must not run on the thread that completes them."""
     assert all(loss > 0 for loss in cluster.run(_powersgd_two_buckets, True, timeout=60))
-    refused = r"PowerSGD on gloo fails \(hangs or aborts\) with more than one gradient bucket"
+    refused = r"PowerSGD on mpi4py fails \(hangs or aborts\) with more than one gradient bucket"
     with pytest.raises(DistError, match=refused):
         cluster.run(_powersgd_two_buckets, False, timeout=60)
 
@@ -419,12 +428,12 @@ def assert_replicas_equal_their_serial_runs(results: list[dict], steps: int) -> 
 
 def test_mpi_hook_on_a_mesh_dp_group_equals_torch_and_each_replica_serial(four):
     """dp=2 x pp=2 on 4 ranks: two dp groups of two ranks ([0, 1] and [2, 3]), never the whole world. The MPI hook
-    ("auto" picks it on CPU) talks on the mesh's dp communicator; each group equals torch's (gloo) and its own
-    serial run."""
+    talks on the mesh's dp communicator; each group equals torch's (over the mpi4py backend) and its own serial
+    run."""
     m = nbdist.mesh(four, dp=2, pp=2)
     assert m.groups("dp") == [[0, 1], [2, 3]]
     steps = 3  # crosses DDP's bucket regrouping after the first step
-    mpi = four.run(_train_replica, m, "auto", steps)
+    mpi = four.run(_train_replica, m, "mpi", steps)
     via_torch = four.run(_train_replica, m, "torch", steps)
     assert [r["replica"] for r in mpi] == [0, 0, 1, 1]
     assert all(r["hook"] == "mpi" and r["comm_size"] == 2 and r["mesh_comm"] for r in mpi)

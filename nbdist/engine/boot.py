@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from nbdist.engine import devices
 from nbdist.errors import DistUsageError
 
-BACKEND_ENV = "NBDIST_BACKEND"  # "gloo" | "nccl" | "auto": what was asked; devices.bind decides
+BACKEND_ENV = "NBDIST_BACKEND"  # "mpi" | "gloo" | "nccl" | "auto": what was asked; devices.bind decides
 DEVICE_ENV = "NBDIST_DEVICE"  # "cpu" forces CPU engines even where GPUs exist; "auto" binds GPUs by local rank
 PG_TIMEOUT_ENV = "NBDIST_PG_TIMEOUT"  # seconds a collective may wait before torch.distributed gives up
 
@@ -30,7 +30,7 @@ class RankInfo:
     host: str
     pid: int
     device: str
-    backend: str  # what dist.get_backend() reports: "gloo" (CPU engines) or "cpu:gloo,cuda:nccl" (GPU engines)
+    backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU engines) or "cpu:gloo,cuda:nccl" (GPU engines)
     boot_seconds: float
 
 

@@ -4,15 +4,16 @@ Why pure: the rules must hold on GPU machines the tests never see, so they take 
 tests try any counts on CPU. boot.py measures the counts on the engine and applies the result.
 
 The rules:
-- `--cpu`, `--backend gloo` or `--backend mpi` means CPU engines: no CUDA device is bound. `mpi` is nbdist's own
-  torch.distributed backend over mpi4py (engine/mpi_backend.py, registered as "mpi4py": torch keeps "mpi" for
-  its source-build ProcessGroupMPI). gloo's CUDA support is broadcast and
+- `--cpu`, `--backend gloo` or `--backend mpi` means CPU engines: no CUDA device is bound. CPU engines use `mpi`
+  unless gloo is asked for by name: nbdist's own torch.distributed backend over mpi4py (engine/mpi_backend.py,
+  registered as "mpi4py": torch keeps "mpi" for its source-build ProcessGroupMPI), whose small collectives cost
+  microseconds where gloo's loopback TCP costs a millisecond. gloo's CUDA support is broadcast and
   all_reduce only, so gloo ranks on a GPU would fail at the pipeline's point-to-point messages and at `trace()`.
 - A GPU engine binds `cuda:<local rank>`: NCCL runs one rank per GPU, so more ranks on a host than GPUs visible
   there is refused in one line naming the host and both counts (no `local_rank % device_count` wrap, which would
   put two ranks on one GPU and fail later, inside a user's first collective).
 - A GPU engine's process group is "cpu:gloo,cuda:nccl" (torch's device-map form): CUDA tensors go through NCCL
-  and CPU tensors through gloo, so `dist.all_reduce(torch.ones(2))` still works there. CPU engines keep "gloo".
+  and CPU tensors through gloo, so `dist.all_reduce(torch.ones(2))` still works there. CPU engines use "mpi4py" (or "gloo" by name).
 - Every rank uses the same backend: a world where some hosts have GPUs and others none is refused.
 
 Code that compares backend names must not compare `dist.get_backend()` with "nccl" or "gloo": on GPU engines it
@@ -62,8 +63,10 @@ def bind(requested: str, cpu: bool, local_rank: int, ranks_on_host: int, gpus: i
         raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
     if requested == "mpi":
         return MPI_ENGINE
-    if not wants_gpus(requested, cpu) or (gpus == 0 and requested == "auto"):
+    if requested == "gloo":
         return CPU_ENGINE
+    if cpu or gpus == 0 and requested == "auto":
+        return MPI_ENGINE  # CPU engines: MPI shared memory unless gloo is asked for by name
     if gpus == 0:
         raise DistUsageError(f"--backend nccl needs GPUs and host {host} has none visible; use --backend gloo")
     if ranks_on_host > gpus:

@@ -354,9 +354,12 @@ def _check_mpi_usable(ddp_model: DistributedDataParallel, name: str) -> None:
 
 
 def choose(ddp_model: DistributedDataParallel) -> str:
-    """What name="auto" picks: "mpi" for CPU models when MPI's world is torch's (any DDP process group), else
-    "torch"."""
-    return "mpi" if _on_cpu(ddp_model) and _mpi_mirrors_torch() else "torch"
+    """What name="auto" picks: "mpi" for CPU models on a gloo process group when MPI's world is torch's, else
+    "torch" (DDP's own all-reduce: on the mpi4py backend, the CPU default, that already goes through MPI, and
+    measured no slower than the hook; see register_hook)."""
+    if not (_on_cpu(ddp_model) and _mpi_mirrors_torch()):
+        return "torch"
+    return "mpi" if backend_for(dist.get_backend(ddp_model.process_group), "cpu") == "gloo" else "torch"
 
 
 def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
@@ -364,9 +367,12 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
     step the ranks' all-reduces of different buckets get out of step, and the job hangs or gloo aborts it ("Received
     data size doesn't match expected size ... collective mismatch"). An observation made here (torch 2.13, torch's
     own hook registered directly on DDP, no nbdist in between, 2 CPU ranks, both outcomes seen); no upstream report
-    was found. Refuse that rather than let it happen."""
+    was found. The same holds on nbdist's mpi4py backend, for the same reason: PowerSGD issues its second
+    all-reduce from the first one's callback, and two buckets' callbacks may issue theirs in different orders on
+    different ranks (NCCL is spared by its stream order). Refuse that rather than let it happen."""
     device_type = next(ddp_model.module.parameters()).device.type
-    if backend_for(dist.get_backend(ddp_model.process_group), device_type) != "gloo":
+    backend = backend_for(dist.get_backend(ddp_model.process_group), device_type)
+    if backend not in ("gloo", "mpi4py"):
         return  # on GPU engines the gradients go through nccl, even though the group's backend string names gloo
     nbytes = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters() if p.requires_grad)
     config = getattr(ddp_model, "_bucket_config", None)  # DDP's first bucket may be smaller than the others
@@ -375,7 +381,7 @@ def _check_one_bucket(ddp_model: DistributedDataParallel) -> None:
     if nbytes > min(caps):
         need = math.ceil(nbytes / 2**20) + 1
         raise DistUsageError(
-            f"PowerSGD on gloo fails (hangs or aborts) with more than one gradient bucket (seen with torch 2.13): "
+            f"PowerSGD on {backend} fails (hangs or aborts) with more than one gradient bucket (seen with torch 2.13): "
             f"build DDP with "
             f"bucket_cap_mb >= {need} so that all {nbytes / 2**20:.1f} MiB of gradients make one bucket "
             f"(nbdist.engine.ddp.ddp(..., hook='powersgd') does this)"
@@ -390,9 +396,11 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
     "bf16", "topk" (option ratio, default 0.01), "powersgd" (options rank, default 1, and start_iter, default 2:
     plain all-reduce before it) and "auto".
 
-    "auto" = "mpi" on CPU when MPI's world is torch's (always so on nbdist's engines), whatever DDP's process
-    group (the MPI hooks talk on a communicator of the group's ranks), else "torch".
-    Why "auto" is MPI on CPU, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine, MLPs of
+    "auto" = "torch" on the mpi4py backend (CPU engines' default: DDP's own all-reduce then goes through MPI, and
+    benchmarks/bench_mpi_backend_training.py measured it at 1.02x the MPI hook's samples/s, so the hook is not
+    measurably faster there); "mpi" on CPU over a gloo process group when MPI's world is torch's (always so on
+    nbdist's engines; the MPI hooks talk on a communicator of the group's ranks); else "torch".
+    Why "auto" is MPI on CPU over gloo, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine, MLPs of
     L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two runs):
 
         model                      MPI hook (samples/s)   DDP default, gloo (samples/s)   ratio

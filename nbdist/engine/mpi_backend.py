@@ -64,20 +64,25 @@ def register() -> str:
     return NAME
 
 
-def renew() -> list[list[int]]:
-    """Give every mpi4py group of this rank a fresh MPI communicator; returns their ranks. Call on EVERY rank
-    after a rank was interrupted or timed out inside an operation (its groups are then out of step): making a
-    communicator is collective over the group's members, and every rank goes through its groups in the order
-    they were made, which is the same everywhere (torch makes groups in the same order on every rank)."""
-    renewed = []
+def renew() -> dict:
+    """Give every mpi4py group of this rank a fresh MPI communicator. Call on EVERY rank after a rank failed while
+    the engines survived: making a communicator is collective over the group's members, and every rank goes through
+    its groups in the order they were made, which is the same everywhere (torch makes groups in the same order on
+    every rank). Every group is renewed, not only those that gave up an operation: a message one rank sent and the
+    failed rank never received would otherwise wait in the old communicator for a later receive.
+
+    Returns {"renewed": the groups' ranks, "broken": how many of them had given up an operation on this rank}: the
+    notebook says "renewed" to the user only where an operation was actually abandoned somewhere."""
+    renewed, broken = [], 0
     for ref in _groups:
         group = ref()
         if group is not None:
+            broken += group._broken is not None
             abandoned.append(((), (group._comm,)))  # not freed: a request abandoned on it may still be pending
             group._comm, group._broken = _communicator(group.global_ranks), None
             group.generation += 1  # works still pending on the old communicator no longer mark the group
             renewed.append(group.global_ranks)
-    return renewed
+    return {"renewed": renewed, "broken": broken}
 
 
 def _create(options, backend_options=None) -> MpiProcessGroup:

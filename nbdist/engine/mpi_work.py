@@ -38,6 +38,7 @@ SPIN_SECONDS = 50e-6  # pure spinning this long: a collective between ready rank
 YIELD_SECONDS = 5e-3  # then sched_yield between tests, then sleep NAP_SECONDS: a long wait leaves the core free
 NAP_SECONDS = 200e-6
 CHECK_EVERY = 64  # clock reads (and deadline checks) every this many tests while spinning
+CALLBACK_THREADS = 32  # futures' callbacks run on up to this many threads: a callback may wait on another future
 
 
 def _oversubscribed() -> bool:
@@ -174,21 +175,27 @@ class MpiWork(dist.Work):
 
     # -- completion ---------------------------------------------------------------------------------------------
 
-    def _complete(self, ok: bool) -> None:
-        """Finish the operation (ok) or record that it was abandoned; then settle the future if one exists."""
+    def _complete(self, ok: bool, settle: Callable[[Callable], None] | None = None) -> None:
+        """Finish the operation (ok) or record that it was abandoned; then settle the future if one exists, through
+        `settle` when given (the progress thread hands it to a callback thread: see _Progress)."""
         if ok and self._finish is not None:
             self._finish()
         self._done, self._requests, self._finish, self._buffers = True, [], None, ()
         if self._future is not None and not self._future.done():
-            if self._error is None:
-                self._future.set_result(self._outputs)
-            else:
-                self._future.set_exception(self._error)
+            (settle or _call)(self._settle_future)
 
-    def _fail(self, error: BaseException) -> None:
+    def _settle_future(self) -> None:
+        if self._future.done():
+            return
+        if self._error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(self._error)
+
+    def _fail(self, error: BaseException, settle: Callable[[Callable], None] | None = None) -> None:
         self._error = error
         self._group.abandon(self._op, self._requests, self._buffers, self._generation)
-        self._complete(False)
+        self._complete(False, settle)
 
     def _raise_if_failed(self) -> bool:
         if self._error is not None:
@@ -202,13 +209,29 @@ def _wait_interruptibly(future: torch.futures.Future) -> None:
         time.sleep(NAP_SECONDS)
 
 
+def _call(fn: Callable) -> None:
+    fn()
+
+
 class _Progress:
-    """One daemon thread that completes the works whose futures were asked for, and times them out."""
+    """One daemon thread that completes the works whose futures were asked for, and times them out.
+
+    It never runs a future's callbacks itself: setting a future's result runs the callbacks chained on it, and a
+    callback may wait on another of this backend's futures (torch's PowerSGD hook waits on its second all-reduce
+    inside the first one's callback), which only this thread can complete: run inline, that wait would never end
+    (seen: both ranks stuck in backward). So results are set on a pool of callback threads, a new one started
+    whenever all are busy, and this thread goes on polling."""
 
     def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
         self._pending: list[tuple[MpiWork, float]] = []
         self._lock = threading.Condition()
+        self._callbacks = ThreadPoolExecutor(max_workers=CALLBACK_THREADS, thread_name_prefix="nbdist-mpi-callback")
         threading.Thread(target=self._run, name="nbdist-mpi-progress", daemon=True).start()
+
+    def _settle_elsewhere(self, fn: Callable) -> None:
+        self._callbacks.submit(fn)
 
     def add(self, work: MpiWork) -> None:
         with self._lock:
@@ -227,18 +250,17 @@ class _Progress:
             if len(finished) < len(pending):
                 time.sleep(NAP_SECONDS / 4)
 
-    @staticmethod
-    def _settle(work: MpiWork, deadline: float) -> bool:
+    def _settle(self, work: MpiWork, deadline: float) -> bool:
         try:
             if test_all(work._requests):
-                work._complete(True)
+                work._complete(True, self._settle_elsewhere)
             elif time.monotonic() > deadline:
-                work._fail(work._group.timeout_error(work._op))
+                work._fail(work._group.timeout_error(work._op), self._settle_elsewhere)
             else:
                 return False
         except Exception as error:  # noqa: BLE001 - a finish step that failed: the waiter gets it, the thread lives
             work._error = error
-            work._complete(False)
+            work._complete(False, self._settle_elsewhere)
         return True
 
 
