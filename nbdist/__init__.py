@@ -31,6 +31,8 @@ __all__ = [
     "start",
     "stop",
     "mesh",
+    "shard",
+    "Plan",
     "load_ipython_extension",
 ]
 
@@ -43,6 +45,8 @@ _LAZY = {
     "Pipeline": "nbdist.pipeline_parallel.api",
     "Stepper": "nbdist.pipeline_parallel.stepper",
     "Mesh": "nbdist.meshes",
+    "shard": "nbdist.sharding.plan",
+    "Plan": "nbdist.sharding.plan",
 }
 
 

@@ -25,7 +25,8 @@ import nbdist
 PACKAGE = Path(nbdist.__file__).parent
 ENGINE = "nbdist.engine"
 KERNEL_ONLY = ("nbdist.cluster", "nbdist.lifeline_server", "nbdist.widgets", "nbdist.viz", "nbdist.remote", "nbdist.magics", "nbdist.launch",
-               "nbdist.collectives.sweep", "nbdist.collectives.tracing", "nbdist.collectives.costmodel")
+               "nbdist.collectives.sweep", "nbdist.collectives.tracing", "nbdist.collectives.costmodel",
+               "nbdist.sharding.plan", "nbdist.sharding.sharded")
 ENGINE_ONLY_LIBRARIES = ("torch.distributed", "torch.nn.parallel", "mpi4py")  # torch.nn.parallel: DDP
 COMPUTING = (ENGINE, "nbdist.cluster", "nbdist.remote", "nbdist.launch", "nbdist.collectives.sweep",
              "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.pipeline_parallel")

@@ -144,7 +144,7 @@ def test_without_a_mesh_a_pipeline_uses_the_first_ranks(four):
 @pytest.mark.parametrize("make, message", [
     (lambda c: dict(mesh=nbdist.mesh(c, dp=2, pp=2), schedule="pipedream"), "pipedream updates weights"),
     (lambda c: dict(mesh=nbdist.mesh(c, dp=4)), "a pipeline runs along a mesh's pp dimension"),
-    (lambda c: dict(mesh=nbdist.mesh(c, pp=2, tp=2)), "tp=2 is not supported yet"),
+    (lambda c: dict(mesh=nbdist.mesh(c, pp=2, tp=2)), "tp=2 needs a tensor-parallel plan for each stage"),
     (lambda c: dict(mesh=nbdist.mesh(c, dp=2, pp=2), stages=4), "stages=4 but the mesh has pp=2"),
     (lambda c: dict(mesh="dp=2", stages=None), "mesh must be made by nbdist.mesh"),
     (lambda c: dict(stages=2, transport="carrier-pigeon"), "unknown transport 'carrier-pigeon'"),

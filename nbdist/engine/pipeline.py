@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.engine import pairs, rank_mesh, registry
+from nbdist.engine import pairs, rank_mesh, registry, tensor_parallel
 from nbdist.engine.executor import StageExecutor
 from nbdist.engine.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
@@ -32,7 +32,11 @@ def setup(spec: StageSpec) -> str:
     average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
     _warm_up()
     transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
-    executor = StageExecutor(spec, _modules(spec), device, transport, average, _restore(spec.optimizer))
+    modules = _modules(spec)
+    if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (engine/tensor_parallel.py)
+        for stage, module in modules.items():
+            tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
+    executor = StageExecutor(spec, modules, device, transport, average, _restore(spec.optimizer))
     registry.put(KIND, spec.name, executor)
     return device.type
 
@@ -81,15 +85,27 @@ def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float
     return advance(name, None, publish_every)
 
 
-def parameters(name: str, grads: bool) -> dict:
-    """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU."""
+def parameters(name: str, grads: bool) -> dict | None:
+    """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU.
+    Tensor-parallel shards are gathered whole (collective over the tp group: every slice calls this); the first
+    slice returns them, the others None."""
+    executor = registry.get(KIND, name)
     out = {}
-    for stage, module in registry.get(KIND, name).modules.items():
+    for stage, module in executor.modules.items():
         if grads:
-            out[stage] = {k: None if p.grad is None else p.grad.detach().cpu() for k, p in module.named_parameters()}
+            out[stage] = {k: _whole(p.grad) for k, p in module.named_parameters()}
         else:
-            out[stage] = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    return out
+            out[stage] = {k: _whole(v) for k, v in module.state_dict().items()}
+    tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
+    return out if tp_slice == 0 else None
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if hasattr(t, "full_tensor"):  # a DTensor: tensor-parallel shards gathered
+        t = t.full_tensor()
+    return t.detach().cpu()
 
 
 def close(name: str) -> None:
@@ -123,6 +139,7 @@ def _dp_average(mesh, replicas: int, transport: str):
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     def average(grads: list[torch.Tensor]) -> None:
+        grads = [getattr(g, "_local_tensor", g) for g in grads]  # tensor-parallel shards: this slice's own part
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)

@@ -30,6 +30,7 @@ from nbdist.cluster import Cluster, current
 from nbdist.engine import pairs
 from nbdist.engine import pipeline as on_ranks
 from nbdist.errors import DistUsageError
+from nbdist.gathered import GatheredModel
 from nbdist.meshes import Mesh
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
@@ -57,6 +58,7 @@ def pipeline(
     optimizer: Callable | None = None,
     lr: float = 0.01,
     transport: str = "auto",
+    tp_plan: dict[int, dict[str, str]] | None = None,
 ) -> "Pipeline":
     """Split `model` across `stages` ranks (or a mesh's pp dimension) and prepare `schedule` (a name, or a
     Schedule you built or wrote).
@@ -69,13 +71,15 @@ def pipeline(
     stepped after each `step()`. For "pipedream", each stage instead takes an SGD step of size `lr` after every
     micro-batch's backward, with the weights stashed at that micro-batch's forward.
     transport: "auto" (MPI for CPU tensors, torch.distributed on GPUs), "mpi" or "torch".
+    tp_plan: stage -> {Linear name in the stage: "colwise" | "rowwise"}: each stage's layers split over the mesh's
+    tp dimension (nbdist.shard makes it; a mesh with tp > 1 needs it).
     """
     cluster = cluster or current()
-    mesh = _pipeline_mesh(cluster, mesh, stages)
-    return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport)
+    mesh = _pipeline_mesh(cluster, mesh, stages, tp_plan is not None)
+    return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport, tp_plan)
 
 
-def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None) -> Mesh:
+def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tensor_parallel: bool = False) -> Mesh:
     """The mesh a pipeline runs on: the one given (checked), or pp=stages over the first ranks."""
     if mesh is None:
         if stages is None:
@@ -91,17 +95,20 @@ def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None) -> M
         raise DistUsageError(f"a pipeline runs along a mesh's pp dimension; {mesh.name} has none")
     if stages is not None and stages != mesh.dim_size("pp"):
         raise DistUsageError(f"stages={stages} but the mesh has pp={mesh.dim_size('pp')}: give one or the other")
-    other = [f"{n}={s}" for n, s in mesh.dims if n not in ("pp", "dp") and s > 1]
+    if not tensor_parallel and "tp" in mesh.names and mesh.dim_size("tp") > 1:
+        raise DistUsageError(f"tp={mesh.dim_size('tp')} needs a tensor-parallel plan for each stage: build the "
+                             f"pipeline with nbdist.shard(model_fn, pp=..., tp=...).apply()")
+    other = [f"{n}={s}" for n, s in mesh.dims if n not in ("pp", "dp", "tp") and s > 1]
     if other:
-        raise DistUsageError(f"a pipeline uses a mesh's pp and dp dimensions only; {', '.join(other)} is not "
-                             "supported yet (make that dimension 1)")
+        raise DistUsageError(f"a pipeline uses a mesh's pp, dp and tp dimensions only; {', '.join(other)} is not "
+                             "supported (make that dimension 1)")
     return mesh
 
 
-class Pipeline:
+class Pipeline(GatheredModel):
     def __init__(self, model, mesh: Mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr,
-                 transport):
-        self.cluster, self.mesh = cluster, mesh
+                 transport, tp_plan=None):
+        self.cluster, self.mesh, self.tp_plan = cluster, mesh, tp_plan
         p = mesh.dim_size("pp")
         self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
         self.schedule = _schedule(schedule, p, microbatches, chunks)
@@ -118,7 +125,7 @@ class Pipeline:
         self.ticks = action_ticks(self.schedule)
         self.number = next(_numbers)
         self.id = f"pipe{self.number}"
-        self.pipelines = mesh.groups("pp")  # one list of ranks per replica, in pipeline-rank order
+        self.pipelines = mesh.groups("pp")  # one list of ranks per replica (and tp slice), in pipeline-rank order
         self.ranks = sorted(r for ranks in self.pipelines for r in ranks)
         self.transport = self._transport(transport)
         self._shapes: dict = {}
@@ -161,6 +168,7 @@ class Pipeline:
             program=tuple(self.schedule.actions[pipeline_rank]), ticks=tuple(self.ticks[pipeline_rank]),
             stages=self.schedule.stages, microbatches=self.schedule.microbatches, layers=layers, model=model,
             transport=self.transport, optimizer=portable(optimizer), pipedream_lr=pipedream_lr,
+            tp_plan=None if self.tp_plan is None else {s: self.tp_plan[s] for s in layers},
         )
 
     def _message_shapes(self, inputs: torch.Tensor) -> dict:
@@ -208,7 +216,8 @@ class Pipeline:
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss_fn = portable(loss_fn)
         args = {}
-        for replica, ranks in enumerate(self.pipelines):
+        for ranks in self.pipelines:
+            replica = self.mesh.coords(ranks[0]).get("dp", 0)  # the tp slices of a replica get the same share
             for pipeline_rank, rank in enumerate(ranks):
                 x = inputs_of[replica] if pipeline_rank == 0 else None
                 y = targets_of[replica] if pipeline_rank == last else None
@@ -315,7 +324,9 @@ class Pipeline:
     def _gather(self, grads: bool) -> dict:
         """The replicas hold equal copies (the gradients averaged, the same optimizer step): read replica 0's."""
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
-        per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=self.pipelines[0])
+        first = [ranks for ranks in self.pipelines if self.mesh.coords(ranks[0]).get("dp", 0) == 0]
+        per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=sorted(r for g in first for r in g))
+        per_rank = [tensors for tensors in per_rank if tensors is not None]  # a tp slice gathers, its first keeps
         out = {
             unsplit_key(self.ranges[stage][0], key): value
             for stage_tensors in per_rank
@@ -323,14 +334,6 @@ class Pipeline:
             for key, value in tensors.items()
         }
         return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[0]), kv[0])))
-
-    def state_dict(self) -> dict:
-        """The whole model's parameters and buffers under the unsplit model's keys ('0.weight', ...)."""
-        return self._gather(grads=False)
-
-    def grads(self) -> dict:
-        """Every parameter's gradient after the last step (averaged over the replicas), under the unsplit keys."""
-        return self._gather(grads=True)
 
     def close(self) -> None:
         """Free the stage modules on the engines."""

@@ -37,6 +37,7 @@ class StageSpec:
     transport: str  # "mpi" (CPU tensors over MPI) or "torch" (torch.distributed): resolved in the kernel
     optimizer: bytes | None = None  # cloudpickled `params -> torch.optim.Optimizer`
     pipedream_lr: float | None = None  # PipeDream's per-micro-batch SGD step (None: a synchronous schedule)
+    tp_plan: dict[int, dict[str, str]] | None = None  # this rank's stages -> Linear name -> "colwise" | "rowwise"
 
     @property
     def first_stage(self) -> bool:

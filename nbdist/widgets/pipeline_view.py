@@ -19,13 +19,13 @@ import time
 
 import ipywidgets as widgets
 from IPython import get_ipython
-from IPython.display import display
 
 from nbdist.pipeline_parallel.stepping import tick_timeline
 from nbdist.schedules.simulate import Timeline, measured_durations
-from nbdist.viz.display import claim_loader, figure_html, plotly_loader_html
+from nbdist.viz.display import figure_html
 from nbdist.viz.timeline import makespan_text, timeline_figure
 from nbdist.widgets.figure import PlotlyFigure
+from nbdist.widgets.static_copy import WithStaticCopy
 
 DRAW_EVERY = 0.5  # seconds between redraws while steps run back to back (live updates: twice a second)
 STATIC_COPY = "nbdist-static-copy"
@@ -35,7 +35,7 @@ HIDE_STATIC_COPY = (f"<style>.jp-LabShell .{STATIC_COPY}, .jp-NotebookShell .{ST
                     "{display: none !important}</style>")
 
 
-class PipelineView:
+class PipelineView(WithStaticCopy):
     def __init__(self, pipe, stepper=None):
         self.pipe, self.stepper = pipe, stepper
         self.measured, self.ideal, self.stats = PlotlyFigure(), PlotlyFigure(), widgets.HTML()
@@ -162,24 +162,9 @@ class PipelineView:
         figures = "".join(figure_html(figure, loader=False) for figure in self._figures)
         return f'<div class="{STATIC_COPY}">{figures}{self._stats}</div>'
 
-    def _static_bundle(self) -> dict:
-        return {"text/html": self.static_html(), "text/plain": f"{self!r} (static copy)"}
-
     def _update_static(self) -> None:
         self._static_stale = False
-        if self._static_handle is not None:
-            self._static_handle.update(self._static_bundle(), raw=True)
-
-    def show(self) -> "PipelineView":
-        """Display the widget, then (its own output) the static copy; plotly.js before it if none was emitted."""
-        display(self.widget)
-        if claim_loader():
-            display({"text/html": plotly_loader_html(), "text/plain": "(plotly.js for the figures below)"}, raw=True)
-        self._static_handle = display(self._static_bundle(), raw=True, display_id=True)
-        return self
-
-    def _ipython_display_(self) -> None:
-        self.show()
+        super()._update_static()
 
     def __repr__(self) -> str:
         return f"<PipelineView of {self.pipe!r}>"

@@ -1,0 +1,160 @@
+"""A sharded model on the ranks (runs ON the engines): what the notebook's Sharded (nbdist/sharding/plan.py) calls.
+
+`setup(spec)` builds this rank's share of a dp x tp plan from its ShardSpec: the whole model from the user's
+function, tensor parallel pairs split over the mesh's tp group, then the data-parallel wrapping its ZeRO stage
+asks for, and the optimizer. `step` trains one step on this replica's share of the global batch, micro-batch by
+micro-batch (gradient accumulation), and reports the loss, the times of each micro-batch's forward and backward,
+and, when asked, the bytes the rank holds. `parameters` gathers the whole, unsplit weights or gradients (a
+collective over every rank: DTensor shards are gathered), `close` frees it all.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from nbdist.engine import data_parallel, rank_mesh, registry, tensor_parallel, zero
+from nbdist.engine.memory import ActivationMeter, state_bytes
+
+KIND = "sharded"
+
+
+class ShardedModel:
+    """This rank's model, optimizer and place in the mesh."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.me = rank_mesh.here(spec.mesh)
+        model = _restore(spec.model)()
+        if spec.tp > 1:
+            tensor_parallel.apply(model, self.me.device_mesh["tp"], spec.tp_plan)
+        if spec.zero >= 2:
+            zero.shard(model, self.me.device_mesh["dp"], spec.zero)
+        self.model = data_parallel.wrap(model, self.me, spec.dp, spec.tp, spec.zero, spec.ddp)
+        make = _restore(spec.optimizer)
+        self.optimizer = None if make is None else zero.optimizer(
+            self.model.parameters(), make, spec.zero, self.me.group("dp"))
+        self.by_hand = data_parallel.averages_by_hand(spec.dp, spec.tp, spec.zero)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, memory: bool = False) -> dict:
+        """One training step on this replica's share; the optimizer (if any) steps at the end. Gradients stay
+        until the next step begins, so `parameters(grads=True)` reads this step's."""
+        m = self.spec.microbatches
+        self.model.zero_grad(set_to_none=True)
+        meter = ActivationMeter() if memory else None
+        spans, losses = [], []
+        gathered = _GatheredParams(self.model) if memory else None
+        started = time.perf_counter()
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
+            with data_parallel.sync_on(self.model, last=i == m - 1):
+                t0 = time.perf_counter()
+                with meter if meter is not None else _nothing():
+                    loss = loss_fn(self.model(x), y)
+                    t1 = time.perf_counter()
+                    (loss / m).backward()
+                t2 = time.perf_counter()
+            spans += [(f"0F{i}", t0, t1), (f"0B{i}", t1, t2)]
+            losses.append(loss.detach())
+        if self.by_hand:
+            data_parallel.average(self.model, self.me.group("dp"), self.spec.dp)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        ended = time.perf_counter()
+        report = {"loss": torch.stack(losses).mean().item(), "spans": spans, "started": started, "ended": ended,
+                  "coords": self.me.coords}
+        if memory:
+            held = state_bytes(self.model, self.optimizer)
+            held["params"] = max(held["params"], gathered.close())
+            report["memory"] = {**held, "activations": meter.peak_bytes}
+        return report
+
+    def tensors(self, grads: bool) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers (or gradients) under the unsplit model's keys, gathered from
+        their shards (collective over the ranks holding them)."""
+        out = {}
+        named = self.model.named_parameters() if grads else [*self.model.named_parameters(),
+                                                             *self.model.named_buffers()]
+        for key, value in named:
+            tensor = value.grad if grads else value
+            if tensor is not None and hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            out[_unwrapped(key)] = None if tensor is None else tensor.detach().cpu().clone()
+        return out
+
+    def memory_bytes(self) -> int:
+        return sum(state_bytes(self.model, self.optimizer).values())
+
+    def describe(self) -> str:
+        s = self.spec
+        return f"dp={s.dp} tp={s.tp} zero={s.zero}; {self.me.describe()}"
+
+
+def time_layers(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, float]]:
+    """The model built from the user's function on this rank, each layer timed alone at `size` samples (what the
+    plan's step-time prediction starts from: the engines' own cores and threads, not the kernel's)."""
+    from nbdist.sharding import predict
+
+    model = _restore(model_fn)()
+    return predict.time_layers(model, predict.sample_input(model, size), repeats)
+
+
+def setup(spec) -> str:
+    registry.put(KIND, spec.name, ShardedModel(spec))
+    return spec.name
+
+
+def step(name: str, inputs, targets, loss_fn, memory: bool = False) -> dict:
+    from nbdist.engine.boot import boot
+
+    return {**registry.get(KIND, name).step(inputs, targets, _restore(loss_fn), memory), "rank": boot().rank}
+
+
+def parameters(name: str, grads: bool) -> dict | None:
+    """The gathered tensors on the mesh's first rank (None elsewhere: every rank must take part in gathering)."""
+    sharded = registry.get(KIND, name)
+    tensors = sharded.tensors(grads)
+    return tensors if not any(sharded.me.coords.values()) else None
+
+
+def close(name: str) -> None:
+    registry.drop(KIND, name)
+
+
+def _unwrapped(key: str) -> str:
+    """DDP names its model's parameters 'module.<key>': the unsplit model's key is <key>."""
+    return key.removeprefix("module.")
+
+
+def _restore(payload):
+    import cloudpickle
+
+    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+
+
+class _GatheredParams:
+    """The most parameter bytes the rank holds at once during forward: sampled as each top-level layer starts its
+    forward, after FSDP2 gathered that layer's parameters (its own pre-forward hook runs first) and before it frees
+    them; ZeRO-2 keeps every layer gathered until backward, ZeRO-3 one layer at a time."""
+
+    def __init__(self, model: nn.Module):
+        self.peak = 0
+        inner = getattr(model, "module", model)  # DDP's wrapped model
+        self.handles = [layer.register_forward_pre_hook(self._sample) for layer in inner.children()]
+        self._model = model
+
+    def _sample(self, *_):
+        self.peak = max(self.peak, state_bytes(self._model)["params"])
+
+    def close(self) -> int:
+        for handle in self.handles:
+            handle.remove()
+        return self.peak
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,234 @@
+"""nbdist.shard: how to spread one model over the engines, what it will cost, and the distributed model it builds.
+
+    plan = nbdist.shard(lambda: models.gpt(layers=4), dp=2, tp=2, zero=0, microbatches=2)
+    plan                                   # a table: per rank its replica, stage and slice; predicted memory
+    model = plan.apply(lambda params: torch.optim.Adam(params, lr=1e-3))
+    loss = model.step(x, y, models.lm_loss)  # one step on the global batch
+    model.state_dict(); model.grads()       # gathered into the notebook under the unsplit model's keys
+
+A plan is dp x pp x tp over the world (laid out as nbdist.mesh lays them: pp outermost, tp innermost) with a ZeRO
+stage over dp, micro-batches and, with pp > 1, a pipeline schedule. Everything is checked here, in one line, before
+anything runs: the product must be the world size, tp must divide the heads and the split features, the model must
+have as many layers as stages. The kernel builds the model once on CPU to profile it (parameters, activation
+bytes per layer: nbdist/sharding/predict.py); the ranks build their own copies from `model_fn`.
+
+pp = 1 runs nbdist/engine/sharded.py (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor parallel); pp > 1 runs
+nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nbdist.checks import one_of, whole_number
+from nbdist.cluster import Cluster, current
+from nbdist.errors import DistUsageError
+from nbdist.engine import sharded as on_ranks
+from nbdist.pipeline_parallel.api import portable
+from nbdist.sharding import predict
+
+_numbers = itertools.count()
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
+
+
+def shard(model_fn: Callable[[], nn.Module], dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
+          microbatches: int = 1, schedule: str = "1f1b", *, chunks: int = 1, batch: int | None = None,
+          balance: list[int] | None = None,
+          optimizer: str = "adam", hook: str = "auto", bucket_cap_mb: float | None = None,
+          cluster: Cluster | None = None) -> "Plan":
+    """A plan of `model_fn`'s model over the running cluster (see the module docstring). `batch` is the global
+    batch the memory prediction assumes (default: 8 samples per micro-batch); `optimizer` the kind it assumes
+    ("adam", "sgd", "sgd-momentum"); `hook` and `bucket_cap_mb` go to DDP; `chunks` model pieces per pipeline rank
+    (interleaved-1f1b needs 2 or more); `balance` layers per piece (default: balanced by parameters)."""
+    return Plan(model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
+                bucket_cap_mb, cluster or current())
+
+
+class Plan:
+    """A checked plan: its shape, the model's profile, and predictions per rank."""
+
+    def __init__(self, model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
+                 bucket_cap_mb, cluster: Cluster):
+        for label, value in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", microbatches)):
+            whole_number(value, label)
+        if not callable(model_fn):
+            raise DistUsageError(f"model_fn must be a function that builds the model, got {type(model_fn).__name__}")
+        self.cluster, self.model_fn = cluster, model_fn
+        self.dp, self.pp, self.tp, self.zero = dp, pp, tp, zero
+        self.microbatches, self.chunks, self.balance = microbatches, chunks, balance
+        self.optimizer_kind, self.hook, self.bucket_cap_mb = optimizer, hook, bucket_cap_mb
+        if dp * pp * tp != cluster.world_size:
+            raise DistUsageError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp}, but the cluster has "
+                                 f"{cluster.world_size} ranks: the product must be the world size")
+        self.schedule = self._schedule(schedule)
+        self._refuse_unsupported()
+        self.model = _build(model_fn)
+        self.batch = batch or 8 * dp * microbatches
+        self.boundaries = self._boundaries()
+        predict.check_shape(self.model, dp=dp, pp=pp, tp=tp, zero=zero, microbatches=microbatches,
+                            batch=self.batch, boundaries=self.boundaries)
+        self.layers = predict.profile_layers(self.model, predict.sample_input(self.model), tp)
+
+    def _refuse_unsupported(self) -> None:
+        if self.zero and self.dp == 1:
+            raise DistUsageError(f"zero={self.zero} shards over the data-parallel replicas, and dp=1 has none: "
+                                 f"use dp > 1 or zero=0")
+        if self.zero and self.pp > 1:
+            raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported yet: ZeRO runs on dp "
+                                 f"(x tp) plans; pipelines average whole gradients over dp (zero=0)")
+        if self.zero == 1 and self.tp > 1:
+            raise DistUsageError("zero=1 with tp > 1 is not supported: torch's ZeroRedundancyOptimizer does not take "
+                                 "tensor-parallel (DTensor) parameters; use zero=2 or 3 (FSDP2) with tp")
+
+    def _schedule(self, name: str):
+        """The pipeline schedule (built and checked here: its micro-batch and chunk rules), or its name at pp=1."""
+        if self.pp == 1:
+            if self.chunks != 1:
+                raise DistUsageError(f"chunks={self.chunks} cuts pipeline stages, but pp=1 has none")
+            return name
+        from nbdist.schedules.generators import build
+
+        one_of(name, SCHEDULES, "schedule")
+        return build(name, self.pp, self.microbatches, self.chunks)
+
+    def _boundaries(self) -> list[tuple[int, int]] | None:
+        if self.pp == 1:
+            return None
+        from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes
+
+        pieces = self.pp * self.chunks
+        if pieces > len(self.model):
+            raise DistUsageError(f"the model has {len(self.model)} layers, fewer than pp × chunks = {pieces} stages")
+        return boundaries(layer_counts(parameter_sizes(self.model), pieces, self.balance))
+
+    # -- what it will cost ----------------------------------------------------------------------------------------
+
+    def predicted_memory(self) -> list[predict.RankMemory]:
+        """Bytes per rank of each pipeline stage (ranks of one stage hold the same), for the plan's batch."""
+        return predict.predict_memory(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+                                      boundaries=self.boundaries, microbatches=self.microbatches,
+                                      schedule=self.schedule, batch=self.batch, optimizer=self.optimizer_kind)
+
+    def profile(self, repeats: int = 5) -> "Plan":
+        """Time every layer's forward and backward on rank 0 (the engines' device and threads, not the kernel's),
+        at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
+        size = predict.micro_batch_size(self.batch, self.dp, self.microbatches)
+        times = self.cluster.run(on_ranks.time_layers, portable(self.model_fn), size, repeats, ranks=[0])[0]
+        self.layers = predict.with_times(self.layers, times)
+        return self
+
+    def predicted_step(self, alpha_beta=None) -> predict.StepTime:
+        """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
+        communication, the simulated schedule); profile() first. `alpha_beta`: a fit of this cluster's
+        all-reduce (nbdist.collectives.fit_alpha_beta), else the default measured on this kind of machine."""
+        if any(layer.forward_s is None for layer in self.layers):
+            self.profile()
+        return predict.predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+                                            boundaries=self.boundaries, microbatches=self.microbatches,
+                                            schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta)
+
+    def ranks(self) -> list[dict]:
+        """One row per rank: its coordinates, its layers and its predicted memory."""
+        from nbdist.meshes import layout
+
+        mesh = layout(self.cluster.world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+        memory = self.predicted_memory()
+        rows = []
+        for rank in range(self.cluster.world_size):
+            c = mesh.coords(rank)
+            rows.append({"rank": rank, **c, "layers": self._layers_of(c["pp"]), "memory": memory[c["pp"]]})
+        return rows
+
+    def _layers_of(self, pipeline_rank: int) -> str:
+        if self.boundaries is None:
+            return f"0..{len(self.model) - 1}"
+        stages = self.schedule.stages_of(pipeline_rank)
+        return ", ".join(f"{self.boundaries[s][0]}..{self.boundaries[s][1] - 1}" for s in stages)
+
+    def describe(self) -> str:
+        """The plan in one line."""
+        parts = [f"dp={self.dp}", f"pp={self.pp}", f"tp={self.tp}", f"zero={self.zero}",
+                 f"microbatches={self.microbatches}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule.name}" + (f" chunks={self.chunks}" if self.chunks > 1 else ""))
+        params = sum(p.numel() for p in self.model.parameters())
+        return f"plan {' '.join(parts)} of a {params:,}-parameter model on {self.cluster.world_size} ranks"
+
+    def table(self) -> list[str]:
+        from nbdist.units import format_bytes
+
+        header = ["rank", "pp", "dp", "tp", "layers", "params", "grads", "optimizer", "activations", "total"]
+        rows = [[str(r["rank"]), str(r["pp"]), str(r["dp"]), str(r["tp"]), r["layers"],
+                 *(format_bytes(getattr(r["memory"], k)) for k in ("params", "grads", "optimizer", "activations",
+                                                                    "total"))]
+                for r in self.ranks()]
+        widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        return [self.describe(), f"predicted memory per rank (fp32, {self.optimizer_kind}, global batch "
+                                 f"{self.batch}):", *lines]
+
+    def __repr__(self) -> str:
+        return "\n".join(self.table())
+
+    def widget(self):
+        """The planner (JupyterLab): this plan's controls, the model's layers, per-rank predicted memory and step
+        time redrawn as a control moves, and an Apply button (nbdist/widgets/planner.py)."""
+        from nbdist.widgets.planner import PlannerView
+
+        return PlannerView(self)
+
+    def changed(self, **settings) -> "Plan":
+        """A new plan of the same model with some settings changed (dp, pp, tp, zero, microbatches, schedule, chunks,
+        batch, balance, optimizer): what the planner calls as its controls move. The model's profile (and layer
+        times, once measured) are reused where the tensor-parallel degree is the same."""
+        current = dict(dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero, microbatches=self.microbatches,
+                       schedule=self.schedule if isinstance(self.schedule, str) else self.schedule.name,
+                       chunks=self.chunks, batch=self.batch, balance=self.balance, optimizer=self.optimizer_kind)
+        unknown = sorted(set(settings) - set(current))
+        if unknown:
+            raise DistUsageError(f"unknown plan setting(s) {', '.join(unknown)}: choose from {', '.join(current)}")
+        merged = {**current, **settings}
+        plan = shard(self.model_fn, hook=self.hook, bucket_cap_mb=self.bucket_cap_mb, cluster=self.cluster, **merged)
+        if self.layers[0].forward_s is not None:  # layers are timed whole; the prediction divides by tp
+            plan.layers = predict.with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
+        return plan
+
+    # -- building it ----------------------------------------------------------------------------------------------
+
+    def apply(self, optimizer_fn: Callable | None = None):
+        """Build the plan on the cluster: a Sharded model (pp = 1) or a Pipeline (pp > 1), both with
+        step(inputs, targets, loss_fn) -> loss, state_dict(), grads() and a measured timeline."""
+        if self.pp > 1:
+            from nbdist.pipeline_parallel.api import pipeline
+
+            mesh = self.cluster.mesh(pp=self.pp, dp=self.dp, tp=self.tp)
+            return pipeline(self.model_fn, schedule=self.schedule, microbatches=self.microbatches, chunks=self.chunks,
+                            mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
+                            balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans())
+        from nbdist.sharding.sharded import Sharded
+
+        return Sharded(self, optimizer_fn)
+
+    def _tp_plans(self) -> dict[int, dict[str, str]] | None:
+        """Per stage, the tensor-parallel plan of that stage's module (names local to the stage)."""
+        if self.tp == 1:
+            return None
+        plans = {}
+        for stage, (a, b) in enumerate(self.boundaries):
+            plans[stage] = predict.tp_plan(nn.Sequential(*list(self.model)[a:b]))
+        return plans
+
+
+def _build(model_fn) -> nn.Sequential:
+    """The model, built once in the kernel on CPU to profile it; one clear line when that fails."""
+    try:
+        model = model_fn()
+    except Exception as e:  # noqa: BLE001 - the user's function: say what it raised, in one line
+        raise DistUsageError(f"model_fn raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Sequential):
+        raise DistUsageError(f"model_fn must return an nn.Sequential (e.g. nbdist.models.gpt() or an MLP), got "
+                             f"{type(model).__name__}")
+    return model

@@ -1,0 +1,114 @@
+"""Sharded: a dp x tp plan (ZeRO over dp) built on the cluster, driven from the notebook (kernel side).
+
+The same face as Pipeline: `step(inputs, targets, loss_fn) -> loss` trains one step on the global batch (each
+replica gets its share; the tp ranks of a replica get the same share), `state_dict()` and `grads()` gather the
+whole model under the unsplit keys, `timeline` is the last step's measured forward and backward per rank. The
+ranks' side is nbdist/engine/sharded.py.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+
+from nbdist.engine import sharded as on_ranks
+from nbdist.errors import DistUsageError
+from nbdist.gathered import GatheredModel
+from nbdist.pipeline_parallel.api import portable
+from nbdist.schedules.simulate import Timeline
+from nbdist.sharding import predict
+from nbdist.sharding.spec import ShardSpec
+
+_numbers = itertools.count()
+
+
+class Sharded(GatheredModel):
+    def __init__(self, plan, optimizer_fn: Callable | None):
+        self.plan, self.cluster = plan, plan.cluster
+        self.mesh = self.cluster.mesh(dp=plan.dp, tp=plan.tp)
+        self.id = f"shard{next(_numbers)}"
+        ddp = {"hook": plan.hook} | ({"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {})
+        spec = ShardSpec(self.id, self.mesh.name, plan.dp, plan.tp, plan.zero, plan.microbatches,
+                         portable(plan.model_fn), portable(optimizer_fn),
+                         predict.tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
+        self.cluster.run(on_ranks.setup, spec)
+        self.timeline: Timeline | None = None
+        self.last_results: list[dict] = []
+        self.memory_results: list[dict] = []  # the last step run with memory=True
+        self.loss: float | None = None
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, memory: bool = False,
+             timeout: float | None = None) -> float:
+        """One training step on the global batch; returns its loss (the mean over the replicas' micro-batches).
+        `memory=True` also measures the bytes each rank holds (see measured_memory)."""
+        self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
+        self._check_batch(inputs, targets)
+        xs, ys = inputs.chunk(self.plan.dp), targets.chunk(self.plan.dp)
+        loss_fn = portable(loss_fn)
+        args = {}
+        for rank in range(self.cluster.world_size):
+            replica = self.mesh.coords(rank)["dp"]
+            args[rank] = (self.id, xs[replica], ys[replica], loss_fn, memory)
+        results = self.cluster.run_each(on_ranks.step, args, timeout=timeout)
+        self.last_results = results
+        if memory:
+            self.memory_results = results
+        self.timeline = Timeline.from_spans({r["rank"]: r["spans"] for r in results}, name="measured step")
+        firsts = [r["loss"] for r in results if r["coords"]["tp"] == 0]
+        self.loss = sum(firsts) / len(firsts)
+        return self.loss
+
+    def _check_batch(self, inputs, targets) -> None:
+        parts = self.plan.dp * self.plan.microbatches
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, torch.Tensor):
+                raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.shape[0] % parts:
+                raise DistUsageError(f"a batch of {t.shape[0]} {name} does not split into dp={self.plan.dp} × "
+                                     f"{self.plan.microbatches} micro-batches")
+        if inputs.shape[0] != targets.shape[0]:
+            raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
+
+    def step_seconds(self) -> float:
+        """The last step's time: first rank's start to last rank's end (the ranks share one host clock)."""
+        return max(r["ended"] for r in self.last_results) - min(r["started"] for r in self.last_results)
+
+    def measured_memory(self) -> list[dict]:
+        """Per rank, the bytes it held in the last step run with memory=True: params, grads, optimizer,
+        activations."""
+        if not self.memory_results:
+            raise DistUsageError("no step measured memory yet: run step(..., memory=True)")
+        return [{"rank": r["rank"], **r["memory"]} for r in self.memory_results]
+
+    def side_by_side(self) -> list[dict]:
+        """Per rank, the plan's prediction beside the measurement: bytes of parameters, gradients, optimizer state
+        and activations (from the last step run with memory=True), and the step time (the last step's, against
+        plan.predicted_step() when the plan was profiled)."""
+        from nbdist.meshes import layout
+
+        mesh = layout(self.cluster.world_size, pp=self.plan.pp, dp=self.plan.dp, tp=self.plan.tp)
+        predicted = self.plan.predicted_memory()
+        profiled = all(layer.forward_s is not None for layer in self.plan.layers)
+        step = self.plan.predicted_step().total_s if profiled else None
+        rows = []
+        for measured in self.measured_memory():
+            want = predicted[mesh.coords(measured["rank"])["pp"]]
+            row = {"rank": measured["rank"]}
+            for kind in ("params", "grads", "optimizer", "activations"):
+                row[f"{kind} predicted"], row[f"{kind} measured"] = getattr(want, kind), measured[kind]
+            row["step s predicted"], row["step s measured"] = step, self.step_seconds()
+            rows.append(row)
+        return rows
+
+    def _gather(self, grads: bool) -> dict:
+        self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
+        per_rank = self.cluster.run(on_ranks.parameters, self.id, grads)
+        return next(tensors for tensors in per_rank if tensors is not None)
+
+    def close(self) -> None:
+        if self.cluster.running and self.cluster.generation == self.mesh.generation:
+            self.cluster.run(on_ranks.close, self.id)
+
+    def __repr__(self) -> str:
+        return f"<nbdist Sharded {self.id}: {self.plan.describe()}>"

@@ -1,0 +1,24 @@
+"""What one rank needs to build its share of a sharded model (pp = 1: data, tensor and ZeRO parallelism): one frozen
+specification, made in the notebook by Plan.apply and sent once. Plain data, like the pipeline's StageSpec.
+
+Pipelines (pp > 1) use nbdist's pipeline instead (pipeline_parallel/spec.py), with the tensor-parallel plan added.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One rank's share of a dp x tp plan (with ZeRO stage `zero` over dp)."""
+
+    name: str  # the sharded model's name on the ranks (registry key)
+    mesh: str  # the mesh's name on the ranks (dims dp and tp)
+    dp: int
+    tp: int
+    zero: int  # 0: DDP (or, with tp > 1, gradients averaged over dp); 1: ZeroRedundancyOptimizer; 2, 3: FSDP2
+    microbatches: int  # gradient accumulation: micro-batches per replica and step
+    model: bytes  # the cloudpickled function that builds the whole model
+    optimizer: bytes | None  # cloudpickled `params -> torch.optim.Optimizer`, or None (gradients only)
+    tp_plan: dict[str, str] = field(default_factory=dict)  # qualified Linear name -> "colwise" | "rowwise"
+    ddp: dict = field(default_factory=dict)  # DDP options: bucket_cap_mb, hook (a name of engine/hooks.py), ...
