@@ -133,8 +133,10 @@ def test_mlp_profile_counts_parameters_and_saved_bytes_by_hand():
     assert [layer.activation_split_bytes_per_sample for layer in layers] == [0, F32 * HIDDEN, 0, 0, 0]
     assert [layer.input_split_bytes_per_sample for layer in layers] == [0, 0, F32 * HIDDEN, 0, 0]
     assert [layer.output_bytes_per_sample for layer in layers] == [F32 * n for n in (HIDDEN, HIDDEN, MID, MID, OUT)]
-    # one pair: forward all-reduce of the row's output, backward of the column's input gradient
-    assert layers[2].tp_allreduce_bytes_per_sample == ((F32 * MID, F32 * IN),)
+    # one pair: the row's output all-reduced in forward (in the row's layer), the column's input gradient in
+    # backward (in the column's layer)
+    assert layers[2].tp_allreduce_bytes_per_sample == ((F32 * MID, 0),)
+    assert layers[0].tp_allreduce_bytes_per_sample == ((0, F32 * IN),)
 
 
 def test_the_measured_split_is_linear_in_one_over_tp():
@@ -146,7 +148,9 @@ def test_the_measured_split_is_linear_in_one_over_tp():
     block = at2[1]
     assert 0 < block.activation_split_bytes_per_sample < block.activation_bytes_per_sample  # LayerNorms stay whole
     hidden_bytes = F32 * 6 * 16  # a (seq, hidden) activation per sample
-    assert block.tp_allreduce_bytes_per_sample == ((hidden_bytes, hidden_bytes),) * 2  # attention, mlp
+    # forward: attn.out and mlp.proj (2); backward: q, k, v and mlp.fc each all-reduce their input gradient (4),
+    # as DTensor does on separate q, k, v layers (Megatron fuses them: 2)
+    assert block.tp_allreduce_bytes_per_sample == ((hidden_bytes, 0),) * 2 + ((0, hidden_bytes),) * 4
 
 
 def test_a_meta_model_profiles_like_the_real_one():

@@ -131,8 +131,8 @@ class LayerProfile:
     `input_bytes_per_sample` is what a layer saves that an earlier layer already saved (its input, e.g. a ReLU's
     output that the next Linear saves again): a pipeline stage that starts at this layer holds it once more, as its
     received input. The `*_split_*` parts are what tensor parallel divides by tp (measured on the tp-sliced layer).
-    `tp_allreduce_bytes_per_sample`: per row-parallel Linear, the all-reduce of its output (forward) and of its
-    column partners' input gradient (backward), full size on every rank.
+    `tp_allreduce_bytes_per_sample`: the layer's tensor-parallel all-reduces, (forward bytes, backward bytes) each:
+    a row-parallel Linear's output in forward, a column-parallel Linear's input gradient in backward.
     """
 
     name: str
@@ -259,15 +259,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _allreduces_per_layer(model: nn.Sequential, io: dict) -> list[list[tuple[int, int]]]:
-    """Per top-level layer, per row-parallel Linear in it: (its output's bytes, its first column partner's input
-    bytes): Megatron's g all-reduce in forward and f all-reduce in backward."""
-    first_column = {}
-    for column, row in tp_pairs(model):
-        first_column.setdefault(row, column)
+    """Per top-level layer, its tensor-parallel all-reduces as (forward bytes, backward bytes), one entry each:
+    every row-parallel Linear all-reduces its output in forward (Megatron's g); every column-parallel Linear
+    all-reduces its input's gradient in backward (Megatron's f). Megatron fuses q, k and v into one column layer
+    (one f per attention); DTensor on separate q, k, v layers does three (counted on the ranks with CommDebugMode:
+    2 all-reduces per GPT block forward, 4 backward)."""
     index = {name: i for i, (name, _) in enumerate(model.named_children())}
     out: list[list[tuple[int, int]]] = [[] for _ in model]
-    for row, column in first_column.items():
-        out[index[row.split(".")[0]]].append((io[row][1], io[column][0]))
+    rows = dict.fromkeys(row for _, row in tp_pairs(model))
+    columns = dict.fromkeys(column for column, _ in tp_pairs(model))
+    for row in rows:
+        out[index[row.split(".")[0]]].append((io[row][1], 0))
+    for column in columns:
+        out[index[column.split(".")[0]]].append((0, io[column][0]))
     return out
 
 
@@ -645,7 +649,8 @@ def _tp_share(layer: LayerProfile, tp: int) -> float:
 def _tp_allreduces(stage: list[LayerProfile], direction: int, size: int, tp: int, ab: "AlphaBeta") -> float:
     if tp == 1:
         return 0.0
-    return sum(ab.ring(pair[direction] * size, tp) for layer in stage for pair in layer.tp_allreduce_bytes_per_sample)
+    return sum(ab.ring(entry[direction] * size, tp) for layer in stage for entry in layer.tp_allreduce_bytes_per_sample
+               if entry[direction])
 
 
 def _dp_sync(layer_bytes: list[float], dp: int, zero: int, microbatches: int, ab: "AlphaBeta") -> float:
