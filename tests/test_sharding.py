@@ -270,3 +270,19 @@ def test_a_model_fn_failing_on_one_rank_names_it_and_leaves_the_cluster_usable(c
         plan.apply(sgd)
     assert cluster.run(_world_sum) == [2.0, 2.0]
     assert_equal_to_serial(train(cluster, "sgd", dp=2), "sgd")  # and a plan still runs
+
+
+def test_a_pipeline_of_tensor_slices_names_each_slice_in_its_timeline(four):
+    """pp=2 x tp=2: two pipelines run side by side, one per tensor slice; the measured timeline groups the ranks by
+    pipeline and names each by its coordinates (not "replica": both slices are the same replica)."""
+    pipe = nbdist.shard(model_fn, pp=2, tp=2, microbatches=2, cluster=four).apply(sgd)
+    try:
+        x, y = batches()[0]
+        pipe.step(x, y, models.lm_loss)
+        timeline = pipe.timeline
+        assert timeline.pipelines == [[0, 2], [1, 3]]
+        assert timeline.pipeline_names == ["dp 0, tp 0", "dp 0, tp 1"]
+        labels = {trace.y[0] for trace in timeline.figure().data if getattr(trace, "y", None) is not None and len(trace.y)}
+        assert "rank 1 (dp 0, tp 1)" in labels
+    finally:
+        pipe.close()

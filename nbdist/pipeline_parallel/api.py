@@ -244,8 +244,20 @@ class Pipeline(GatheredModel):
     def measured_timeline(self, reports: dict, stepped: bool) -> Timeline:
         """The step the ranks reported (rank -> report) as a Timeline; a stepped one without its pauses."""
         kind = "measured work, pauses between calls removed" if stepped else "measured"
-        pipelines = self.pipelines if self.replicas > 1 else ()
-        return work_timeline(reports, name=f"{self.schedule.name} ({kind})", pipelines=pipelines)
+        several = len(self.pipelines) > 1  # replicas (dp), tensor slices (tp), or both
+        return work_timeline(reports, name=f"{self.schedule.name} ({kind})",
+                             pipelines=self.pipelines if several else (),
+                             pipeline_names=self.pipeline_names() if several else ())
+
+    def pipeline_names(self) -> list[str]:
+        """'replica 1' with data parallelism alone; 'dp 0, tp 1' once tensor slices run pipelines too."""
+        sliced = "tp" in self.mesh.names and self.mesh.dim_size("tp") > 1
+        names = []
+        for ranks in self.pipelines:
+            coords = self.mesh.coords(ranks[0])
+            dp = coords.get("dp", 0)
+            names.append(f"dp {dp}, tp {coords['tp']}" if sliced else f"replica {dp}")
+        return names
 
     def record(self, results: list[dict], timeline: Timeline, tick_state=None) -> float:
         """Keep a finished step (its reports and timeline) and return its loss: the mean over the replicas of the

@@ -84,7 +84,7 @@ def tick_timeline(schedule, ticks: dict[int, list[int]], upto: int | None = None
     return Timeline(spans, unit="tick", name=name or f"{schedule.name} (ticks)")
 
 
-def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=()) -> Timeline:
+def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=(), pipeline_names=()) -> Timeline:
     """The measured timeline of a step with the pauses between calls taken out.
 
     reports: rank -> {"spans": [(action, start, end, wait, call), ...], "calls": [start of call 0, call 1, ...]},
@@ -113,7 +113,8 @@ def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=()) 
         for rank, (action, start, end, wait, *_) in items:
             rows[rank].append((action, start - shift, end - shift, wait))
         work_end = max([end - shift for _, (_, _, end, *_) in items] + ([work_end] if work_end is not None else []))
-    return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts, pipelines=pipelines)
+    return Timeline.from_spans(rows, unit="s", name=name, cuts=cuts, pipelines=pipelines,
+                               pipeline_names=pipeline_names)
 
 
 def on_one_clock(reports: Mapping[int, Mapping]) -> dict[int, Mapping]:

@@ -191,10 +191,12 @@ class Timeline:
     name: str = ""
     cuts: list[tuple[float, float]] = field(default_factory=list)
     pipelines: list[list[int]] = field(default_factory=list)
+    pipeline_names: list[str] = field(default_factory=list)  # one per pipeline ("replica 1", "dp 0, tp 1"); optional
 
     @classmethod
     def from_spans(cls, spans: Mapping[int, Iterable[Any]], unit: str = "s", name: str = "",
-                   cuts: Iterable[tuple[float, float]] = (), pipelines: Iterable[Iterable[int]] = ()) -> Timeline:
+                   cuts: Iterable[tuple[float, float]] = (), pipelines: Iterable[Iterable[int]] = (),
+                   pipeline_names: Iterable[str] = ()) -> Timeline:
         """A timeline from per-rank spans: (action, start, end[, wait]) tuples or objects with those attributes.
 
         Actions may be strings ('0F3') or Actions. Times are shifted so the earliest start is 0, because a measured
@@ -208,7 +210,7 @@ class Timeline:
             for rank, row in sorted(rows.items())
         }
         return cls(shifted, unit=unit, name=name, cuts=[(at - origin, removed) for at, removed in cuts],
-                   pipelines=[list(p) for p in pipelines])
+                   pipelines=[list(p) for p in pipelines], pipeline_names=list(pipeline_names))
 
     @property
     def paused(self) -> float:

@@ -193,10 +193,12 @@ def _trace(kind: str, row: dict[str, list]) -> go.Bar:
 
 
 def _rank_label(timeline, rank: int) -> str:
-    """'rank 2', or with several pipelines (data parallelism) 'rank 2 (replica 1)'."""
+    """'rank 2', or with several pipelines 'rank 2 (replica 1)' (data parallelism), or the pipeline's own name
+    ('rank 2 (dp 0, tp 1)') when the timeline carries names."""
     if len(timeline.pipelines) > 1:
-        replica = next(i for i, ranks in enumerate(timeline.pipelines) if rank in ranks)
-        return f"rank {rank} (replica {replica})"
+        index = next(i for i, ranks in enumerate(timeline.pipelines) if rank in ranks)
+        names = getattr(timeline, "pipeline_names", None)
+        return f"rank {rank} ({names[index] if names else f'replica {index}'})"
     return f"rank {rank}"
 
 

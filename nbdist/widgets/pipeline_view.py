@@ -102,8 +102,10 @@ class PipelineView(WithStaticCopy):
             button.disabled = self.stepper is not None and self.stepper.done
 
     def _nothing_yet(self) -> Timeline:
-        pipelines = self.pipe.pipelines if self.pipe.replicas > 1 else []
-        return Timeline({r: [] for r in self.pipe.ranks}, name="measured", pipelines=pipelines)
+        several = len(self.pipe.pipelines) > 1
+        return Timeline({r: [] for r in self.pipe.ranks}, name="measured",
+                        pipelines=self.pipe.pipelines if several else [],
+                        pipeline_names=self.pipe.pipeline_names() if several else [])
 
     def _measured_figure(self, measured: Timeline, tick_state):
         where = f"tick {tick_state.tick} of {tick_state.total_ticks}, " if tick_state is not None else ""
