@@ -52,14 +52,10 @@ def measure(cluster, model_fn, plan_settings: dict, args, log) -> list[Measure]:
     times, measured = [], None
     for step in range(args.steps + 1):
         x, y = data.token_batch(corpus, step, args.batch, seq)
-        if hasattr(built, "measured_memory"):
-            built.step(x, y, models.lm_loss, memory=step == 0)
-            times.append(built.step_seconds())
-        else:  # a pipeline: its measured timeline
-            built.step(x, y, models.lm_loss)
-            times.append(built.timeline.makespan)
-    if hasattr(built, "measured_memory"):
-        measured = built.measured_memory()
+        built.step(x, y, models.lm_loss, memory=step == 0)
+        # a Sharded model reports its step's span; a pipeline its measured timeline (the same span)
+        times.append(built.step_seconds() if hasattr(built, "step_seconds") else built.timeline.makespan)
+    measured = built.measured_memory()
     built.close()
     times = times[1:]  # the first step (memory metering, cold caches) is not timed
     rows = [Measure(f"{label(plan_settings)}: step time, |measured / predicted - 1|", "%",

@@ -132,6 +132,11 @@ class Cluster:
         """Each rank's device ("cpu", "cuda:0", ...), as the engines reported it at start."""
         return [row["device"] for row in self._info]
 
+    @property
+    def hosts(self) -> list[str]:
+        """Each rank's host name, as the engines reported it at start."""
+        return [row["host"] for row in self._info]
+
     def stop(self) -> None:
         """Stop every engine, the controller and mpiexec; nothing is left running."""
         launched, self._launched = self._launched, None

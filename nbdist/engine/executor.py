@@ -102,13 +102,17 @@ class StageExecutor:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds for the pipeline, by storage (a
+        tensor slice counts its own part, not the whole tensor's size)."""
+        from nbdist.engine.memory import state_bytes
+
+        return state_bytes(nn.ModuleList(self.modules.values()), self.optimizer)
+
     def memory_bytes(self) -> int:
-        """Parameters, gradients, buffers and optimizer state this rank holds for the pipeline."""
-        tensors = [t for m in self.modules.values() for t in (*m.parameters(), *m.buffers())]
-        tensors += [p.grad for p in self.parameters() if p.grad is not None]
-        if self.optimizer is not None:
-            tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Parameters, gradients and optimizer state this rank holds for the pipeline, plus its buffers."""
+        buffers = sum(b.numel() * b.element_size() for m in self.modules.values() for b in m.buffers())
+        return sum(self.held_bytes().values()) + buffers
 
     def describe(self) -> str:
         stages = ", ".join(str(s) for s in sorted(self.modules))

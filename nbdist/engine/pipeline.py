@@ -79,10 +79,20 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
             "done": False}
 
 
-def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None) -> dict:
-    """A whole step at full speed: one call, so one barrier before the first action and none between ticks."""
-    begin(name, shapes, inputs, targets, loss_fn)
-    return advance(name, None, publish_every)
+def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None,
+         memory: bool = False) -> dict:
+    """A whole step at full speed: one call, so one barrier before the first action and none between ticks.
+    `memory`: also report the bytes this rank holds (engine/memory.py), activations at their peak."""
+    if not memory:
+        begin(name, shapes, inputs, targets, loss_fn)
+        return advance(name, None, publish_every)
+    from nbdist.engine.memory import ActivationMeter
+
+    with ActivationMeter() as meter:
+        begin(name, shapes, inputs, targets, loss_fn)
+        report = advance(name, None, publish_every)
+    executor = registry.get(KIND, name)
+    return {**report, "memory": {**executor.held_bytes(), "activations": meter.peak_bytes}}
 
 
 def parameters(name: str, grads: bool) -> dict | None:

@@ -273,15 +273,27 @@ class Pipeline(GatheredModel):
 
     # -- running ------------------------------------------------------------------------------------------------
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, timeout: float | None = None):
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, timeout: float | None = None,
+             memory: bool = False):
         """One training step (forward and backward of every micro-batch on every replica, gradients averaged over
         the replicas, then the optimizer if given) at full speed; returns the loss of the whole batch, and keeps
-        the measured timeline in `.timeline`."""
+        the measured timeline in `.timeline`. `memory=True` also measures the bytes each rank holds
+        (measured_memory())."""
         publish_every, progress = self.live()
-        args = self.step_args(inputs, targets, loss_fn, publish_every)
+        args = self.step_args(inputs, targets, loss_fn, publish_every, memory)
         self.begin_step()
         results = self.cluster.run_each(on_ranks.step, args, timeout=timeout, progress=progress)
+        if memory:
+            self.memory_results = results
         return self.record(results, self.measured_timeline({r["rank"]: r for r in results}, stepped=False))
+
+    def measured_memory(self) -> list[dict]:
+        """Per rank, the bytes it held in the last step run with memory=True: its stages' params, grads, optimizer
+        state (counted by storage: a tensor slice's own part) and the peak of activations saved for backward."""
+        results = getattr(self, "memory_results", None)
+        if not results:
+            raise DistUsageError("no step measured memory yet: run step(..., memory=True)")
+        return [{"rank": r["rank"], **r["memory"]} for r in sorted(results, key=lambda r: r["rank"])]
 
     def widget(self):
         """A live view (measured Gantt, the ideal beneath, busy/idle, bubble); later steps update it as they run."""

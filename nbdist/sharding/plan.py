@@ -126,9 +126,23 @@ class Plan:
         all-reduce (nbdist.collectives.fit_alpha_beta), else the default measured on this kind of machine."""
         if any(layer.forward_s is None for layer in self.layers):
             self.profile()
-        return predict.predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+        slower = self.contention()
+        layers = predict.with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
+        return predict.predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                             boundaries=self.boundaries, microbatches=self.microbatches,
                                             schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta)
+
+    def contention(self) -> float:
+        """How much slower a rank computes in the step than alone in the profile: CPU engines on this host sharing
+        its cores (4 ranks on 2 cores: 2x; the profile times the layers on rank 0 while the others wait). 1 on
+        GPU engines, and for ranks on other hosts, whose cores the kernel cannot count."""
+        import os
+        import socket
+
+        if any(not device.startswith("cpu") for device in self.cluster.devices):
+            return 1.0
+        here = sum(host == socket.gethostname() for host in self.cluster.hosts)
+        return max(1.0, here / len(os.sched_getaffinity(0)))
 
     def ranks(self) -> list[dict]:
         """One row per rank: its coordinates, its layers and its predicted memory."""
