@@ -306,3 +306,20 @@ def test_the_predicted_memory_of_every_rank_is_what_it_then_holds(cluster, plan)
                 assert row[kind] == pytest.approx(getattr(want, kind), rel=0.10), (row["rank"], kind)
     finally:
         built.close()
+
+
+def test_profile_measures_what_the_libraries_cost_and_the_prediction_adds_it(cluster):
+    """plan.profile() times the layers and, with every rank busy, what DTensor costs per split Linear and the
+    optimizer per parameter; the predicted step adds 6 split Linears per GPT block (q, k, v, out, fc, proj) per
+    micro-batch, and the optimizer's step on the rank's share."""
+    plan = nbdist.shard(model_fn, tp=2, cluster=cluster).profile()
+    costs = plan.overheads
+    assert costs.tp_linear[0] > 0 and costs.tp_linear[1] > 0 and costs.optimizer_per_param > 0
+    assert costs.fsdp_unit == (0.0, 0.0)  # zero=0: nothing of FSDP2 measured or added
+    step = plan.predicted_step()
+    linears = 6 * CONFIG["layers"]
+    assert step.library_forward_s == [pytest.approx(linears * costs.tp_linear[0])]
+    assert step.library_backward_s == [pytest.approx(linears * costs.tp_linear[1])]
+    params = sum(p.numel() for p in model_fn().parameters())
+    assert params / 2 < step.optimizer_s[0] / costs.optimizer_per_param < params  # the split ones halved by tp
+    assert step.total_s > step.makespan_s

@@ -158,3 +158,63 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9) -> dict:
+    """What the libraries cost beyond compute and bytes, on this rank while every rank of `mesh` (dims dp, tp)
+    runs the same (so the cores are as shared as in a real step): a small column-then-row Linear pair with and
+    without DTensor (tp > 1), with and without FSDP2 units (zero_stage >= 2), and the optimizer's step per parameter.
+    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}."""
+    import copy
+    import statistics
+
+    import torch.distributed as dist
+
+    me = rank_mesh.here(mesh)
+    width, rows = 64, 16
+    x = torch.randn(rows, width)
+    plain = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+    def forward_backward(model) -> tuple[float, float]:
+        forward, backward = [], []
+        for i in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            y = model(x)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            if i >= 2:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
+        return statistics.median(forward), statistics.median(backward)
+
+    base = forward_backward(plain)
+    costs = {"tp_linear": (0.0, 0.0), "fsdp_unit": (0.0, 0.0)}
+    if tp > 1:
+        split = tensor_parallel.apply(copy.deepcopy(plain), me.device_mesh["tp"], {"0": "colwise", "2": "rowwise"})
+        f, b = forward_backward(split)
+        costs["tp_linear"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+    if zero_stage >= 2:
+        sharded = zero.shard(copy.deepcopy(plain), me.device_mesh["dp"], zero_stage)
+        f, b = forward_backward(sharded)
+        costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+    costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
+    return costs
+
+
+def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
+    import statistics
+
+    param = nn.Parameter(torch.zeros(elements))
+    param.grad = torch.ones(elements)
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+            "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[kind]
+    optimizer = make([param], lr=0.1) if kind != "sgd-momentum" else make([param])
+    optimizer.step()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        optimizer.step()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds) / elements

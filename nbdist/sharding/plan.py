@@ -71,6 +71,7 @@ class Plan:
         predict.check_shape(self.model, dp=dp, pp=pp, tp=tp, zero=zero, microbatches=microbatches,
                             batch=self.batch, boundaries=self.boundaries)
         self.layers = predict.profile_layers(self.model, predict.sample_input(self.model), tp)
+        self.overheads: predict.Overheads | None = None  # measured by profile()
 
     def _refuse_unsupported(self) -> None:
         if self.zero and self.dp == 1:
@@ -118,19 +119,32 @@ class Plan:
         size = predict.micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(on_ranks.time_layers, portable(self.model_fn), size, repeats, ranks=[0])[0]
         self.layers = predict.with_times(self.layers, times)
+        self.overheads = self._measure_overheads()
         return self
+
+    def _measure_overheads(self) -> predict.Overheads:
+        """The libraries' own costs on these engines (DTensor per split Linear, FSDP2 per unit, the optimizer per
+        parameter), measured with every rank busy as in a step; the slowest rank's figures."""
+        mesh = self.cluster.mesh(dp=self.cluster.world_size // self.tp, tp=self.tp)
+        costs = self.cluster.run(on_ranks.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind)
+        return predict.Overheads(
+            tp_linear=tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1)),
+            fsdp_unit=tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1)),
+            optimizer_per_param=max(c["optimizer_per_param"] for c in costs),
+        )
 
     def predicted_step(self, alpha_beta=None) -> predict.StepTime:
         """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
         communication, the simulated schedule); profile() first. `alpha_beta`: a fit of this cluster's
         all-reduce (nbdist.collectives.fit_alpha_beta), else the default measured on this kind of machine."""
-        if any(layer.forward_s is None for layer in self.layers):
+        if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
         layers = predict.with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
         return predict.predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                             boundaries=self.boundaries, microbatches=self.microbatches,
-                                            schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta)
+                                            schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
+                                            overheads=self.overheads)
 
     def contention(self) -> float:
         """How much slower a rank computes in the step than alone in the profile: CPU engines on this host sharing
@@ -208,6 +222,8 @@ class Plan:
         plan = shard(self.model_fn, hook=self.hook, bucket_cap_mb=self.bucket_cap_mb, cluster=self.cluster, **merged)
         if self.layers[0].forward_s is not None:  # layers are timed whole; the prediction divides by tp
             plan.layers = predict.with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
+            same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
+            plan.overheads = self.overheads if same else None
         return plan
 
     # -- building it ----------------------------------------------------------------------------------------------

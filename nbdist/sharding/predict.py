@@ -576,6 +576,19 @@ def default_alpha_beta() -> "AlphaBeta":
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """What the libraries cost beyond a layer's own compute and the bytes they move, measured on the engines by
+    micro-benchmarks (nbdist/engine/sharded.py, mechanism_costs), seconds per micro-batch:
+    `tp_linear`: (forward, backward) per tensor-parallel Linear (DTensor's dispatch and redistribution);
+    `fsdp_unit`: (forward, backward) per FSDP2 unit (its hooks, gathers and scatters of small shards);
+    `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind)."""
+
+    tp_linear: tuple[float, float] = (0.0, 0.0)
+    fsdp_unit: tuple[float, float] = (0.0, 0.0)
+    optimizer_per_param: float = 0.0
+
+
+@dataclass(frozen=True)
 class StepTime:
     """A predicted step, every term in seconds. Per stage and micro-batch: compute (`forward_s`, `backward_s`,
     the split part / tp) and tensor-parallel all-reduces (`tp_forward_s`, `tp_backward_s`); `pp_message_s`, one
@@ -591,6 +604,10 @@ class StepTime:
     dp_sync_s: list[float]
     pipeline: "Timeline"
     alpha_beta: "AlphaBeta"
+    optimizer_s: list[float] = field(default_factory=list)  # per stage: the optimizer's step on a rank's share
+    overheads: Overheads = Overheads()
+    library_forward_s: list[float] = field(default_factory=list)  # per stage and micro-batch: DTensor, FSDP2
+    library_backward_s: list[float] = field(default_factory=list)
 
     @property
     def makespan_s(self) -> float:
@@ -602,12 +619,13 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.makespan_s + max(self.dp_sync_s)
+        return self.makespan_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
 
 
 def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int, zero: int,
                          boundaries: Sequence[tuple[int, int]] | None, microbatches: int, schedule: str | Schedule,
-                         batch: int, alpha_beta: "AlphaBeta | None" = None, param_bytes: int = 4) -> StepTime:
+                         batch: int, alpha_beta: "AlphaBeta | None" = None, param_bytes: int = 4,
+                         overheads: Overheads | None = None) -> StepTime:
     """The step's time from timed profiles (with_times), the schedule simulator and the alpha-beta model.
 
     Compute: each layer's seconds per sample x micro-batch size, its split part / tp, the split part taken as its
@@ -618,10 +636,12 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     gradients; ZeRO-1 that plus ZeroRedundancyOptimizer's broadcast of updated partitions (an all-gather, half a
     ring); FSDP2 gathers each layer in every micro-batch's forward (ZeRO-3: again in its backward) and
     reduce-scatters its gradients in every backward (its defaults: resharded after backward, gradients synced
-    each micro-batch).
+    each micro-batch). `overheads` (measured on the engines): per tensor-parallel Linear and per FSDP2 unit, added
+    to each micro-batch's forward and backward; the optimizer's step on each rank's share of the parameters.
     """
     _zero(zero)
     ab = alpha_beta or default_alpha_beta()
+    extra = overheads or Overheads()
     schedule, ranges = _layout(layers, pp, boundaries, microbatches, schedule)
     size = micro_batch_size(batch, dp, microbatches)
     stages = [list(layers[a:b]) for a, b in ranges]
@@ -631,14 +651,27 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     backward = [sum(layer.backward_s * _tp_share(layer, tp) * size for layer in stage) for stage in stages]
     tp_f = [_tp_allreduces(stage, 0, size, tp, ab) for stage in stages]
     tp_b = [_tp_allreduces(stage, 1, size, tp, ab) for stage in stages]
+    lib_f = [_library(stage, tp, zero, extra, 0) for stage in stages]
+    lib_b = [_library(stage, tp, zero, extra, 1) for stage in stages]
     message = max((ab.predict(stage[-1].output_bytes_per_sample * size) for stage in stages[:-1]), default=0.0)
     v = schedule.chunks  # the simulator divides a rank's time by its chunks; these times are per stage already
-    timeline = schedule.simulate(forward=[(f + t) * v for f, t in zip(forward, tp_f)],
-                                 backward=[(b + t) * v for b, t in zip(backward, tp_b)], comm=message)
+    timeline = schedule.simulate(forward=[(f + t + o) * v for f, t, o in zip(forward, tp_f, lib_f)],
+                                 backward=[(b + t + o) * v for b, t, o in zip(backward, tp_b, lib_b)], comm=message)
     timeline.name, timeline.unit = f"{schedule.name} (predicted)", "s"
     sync = [_dp_sync([sum(p.numel(tp) for p in layer.tensors) * param_bytes for layer in stage], dp, zero,
                      microbatches, ab) for stage in stages]
-    return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab)
+    shards = dp if zero >= 1 else 1
+    optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
+                 for stage in stages]
+    return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b)
+
+
+def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, direction: int) -> float:
+    """The libraries' own time in one micro-batch's forward (0) or backward (1) of a stage: DTensor's per split
+    Linear (each has one tensor-parallel all-reduce entry), FSDP2's per unit (a layer with parameters)."""
+    linears = sum(len(layer.tp_allreduce_bytes_per_sample) for layer in stage) if tp > 1 else 0
+    units = sum(1 for layer in stage if layer.params) if zero >= 2 else 0
+    return linears * extra.tp_linear[direction] + units * extra.fsdp_unit[direction]
 
 
 def _tp_share(layer: LayerProfile, tp: int) -> float:
