@@ -66,7 +66,7 @@ def measure(cluster, model_fn, plan_settings: dict, args, log) -> list[Measure]:
     log(f"  {label(plan_settings)}: step {1e3 * median:.1f} ms measured, {1e3 * predicted_step:.1f} ms predicted")
     if measured is not None:
         for row in measured:
-            coords = nbdist.meshes.layout(cluster.world_size, pp=plan.pp, dp=plan.dp, tp=plan.tp).coords(row["rank"])
+            coords = plan.layout.coords(row["rank"])
             want = predicted_memory[coords["pp"]]
             got = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
             log(f"    rank {row['rank']}: measured {got / 2**20:.2f} MiB "

@@ -112,20 +112,16 @@ def zero1_on_rank(build, x, y) -> dict:
 
 
 def fsdp2_on_rank(build, x, y, reshard: bool) -> dict:
-    """FSDP2 per Linear layer and at the root, on an explicitly CPU mesh: parameters held at each layer's start in
+    """FSDP2 per layer and at the root (nbdist's ZeRO-2/3), on an explicitly CPU mesh: parameters held at each layer's start in
     forward (that layer gathered), after forward, and everything after the step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
+    from nbdist.engine import zero
     from nbdist.engine.memory import state_bytes
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    model = zero.shard(build(), mesh, 3 if reshard else 2)  # per layer and the root; 3 reshards after forward
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     during = []
     for layer in model:  # runs after FSDP2's own pre-forward hook, which gathers the layer

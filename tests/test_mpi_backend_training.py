@@ -55,33 +55,33 @@ def train_ddp(build, data) -> dict:
 
     assert dist.get_backend() == "mpi4py"
     model = DistributedDataParallel(build())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank, size = dist.get_rank(), dist.get_world_size()
-    for x, y in data:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x.chunk(size)[rank]), y.chunk(size)[rank]).backward()
-        optimizer.step()
+    train_on_my_share(model, data)
     return {k: v.detach() for k, v in model.module.state_dict().items()}
 
 
 def train_fsdp2(build, data, reshard: bool) -> dict:
+    """FSDP2 per layer and at the root (as nbdist's ZeRO-2/3 apply it), on an explicitly CPU mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from nbdist.engine import zero
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    model = zero.shard(build(), mesh, 3 if reshard else 2)  # stage 3 reshards after forward, stage 2 does not
+    train_on_my_share(model, data)
+    return {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
+
+
+def train_on_my_share(model, data) -> None:
+    """SGD steps, each rank on its share of every batch (data parallel)."""
+    import torch.distributed as dist
+
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rank, size = dist.get_rank(), dist.get_world_size()
     for x, y in data:
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x.chunk(size)[rank]), y.chunk(size)[rank]).backward()
         optimizer.step()
-    return {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
 
 
 def train_tensor_parallel(build, data) -> dict:

@@ -300,7 +300,7 @@ def test_the_predicted_memory_of_every_rank_is_what_it_then_holds(cluster, plan)
         built.step(x, y, models.lm_loss, memory=True)
         predicted = made.predicted_memory()
         for row in built.measured_memory():
-            coords = nbdist.meshes.layout(cluster.world_size, pp=made.pp, dp=made.dp, tp=made.tp).coords(row["rank"])
+            coords = made.layout.coords(row["rank"])
             want = predicted[coords["pp"]]
             for kind in ("params", "grads", "optimizer", "activations"):
                 assert row[kind] == pytest.approx(getattr(want, kind), rel=0.10), (row["rank"], kind)

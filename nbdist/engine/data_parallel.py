@@ -32,14 +32,22 @@ def averages_by_hand(dp: int, tp: int, zero: int) -> bool:
 def average(model: nn.Module, dp_group, dp: int) -> None:
     """Average every gradient's local tensor over `dp_group`, in one flat all-reduce."""
     import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    average_grads(grads, dp, lambda flat: dist.all_reduce(flat, group=dp_group))
+
+
+def average_grads(grads: list[torch.Tensor], replicas: int, all_reduce) -> None:
+    """Average `grads` in place over the replicas: flattened into one buffer, summed by `all_reduce(flat)` (torch
+    or MPI), divided, copied back. A tensor-parallel gradient (a DTensor) takes part with its own local shard."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [_local(g) for g in grads]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=dp_group)
-    flat.div_(dp)
+    all_reduce(flat)
+    flat.div_(replicas)
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(averaged)
 

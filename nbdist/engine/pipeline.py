@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.engine import pairs, rank_mesh, registry, tensor_parallel
+from nbdist.engine import data_parallel, pairs, rank_mesh, registry, tensor_parallel
 from nbdist.engine.executor import StageExecutor
 from nbdist.engine.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
@@ -36,13 +36,13 @@ def setup(spec: StageSpec) -> str:
     if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (engine/tensor_parallel.py)
         for stage, module in modules.items():
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
-    executor = StageExecutor(spec, modules, device, transport, average, _restore(spec.optimizer))
+    executor = StageExecutor(spec, modules, device, transport, average, restore(spec.optimizer))
     registry.put(KIND, spec.name, executor)
     return device.type
 
 
 def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:
-    registry.get(KIND, name).begin(shapes, inputs, targets, _restore(loss_fn))
+    registry.get(KIND, name).begin(shapes, inputs, targets, restore(loss_fn))
 
 
 def advance(name: str, until_tick: int | None, publish_every: float | None = None) -> dict:
@@ -103,14 +103,14 @@ def parameters(name: str, grads: bool) -> dict | None:
     out = {}
     for stage, module in executor.modules.items():
         if grads:
-            out[stage] = {k: _whole(p.grad) for k, p in module.named_parameters()}
+            out[stage] = {k: whole(p.grad) for k, p in module.named_parameters()}
         else:
-            out[stage] = {k: _whole(v) for k, v in module.state_dict().items()}
+            out[stage] = {k: whole(v) for k, v in module.state_dict().items()}
     tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
     return out if tp_slice == 0 else None
 
 
-def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+def whole(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     if hasattr(t, "full_tensor"):  # a DTensor: tensor-parallel shards gathered
@@ -129,7 +129,7 @@ def close(name: str) -> None:
 # -- helpers --------------------------------------------------------------------------------------------------------
 
 
-def _restore(payload):
+def restore(payload):
     """Undo the notebook's cloudpickling (pipeline_parallel/api.portable): bytes back to the user's function."""
     import cloudpickle
 
@@ -138,7 +138,7 @@ def _restore(payload):
 
 def _modules(spec: StageSpec) -> dict[int, nn.Module]:
     if isinstance(spec.model, bytes):
-        layers = list(_restore(spec.model)())
+        layers = list(restore(spec.model)())
         return {stage: nn.Sequential(*layers[a:b]) for stage, (a, b) in spec.layers.items()}
     return dict(spec.model)
 
@@ -146,26 +146,18 @@ def _modules(spec: StageSpec) -> dict[int, nn.Module]:
 def _dp_average(mesh, replicas: int, transport: str):
     """A function averaging a list of gradient tensors over this rank's dp group in place: one all-reduce of one
     flat buffer (MPI on CPU, torch.distributed otherwise), then divided by the number of replicas."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    if transport == "mpi":
+        from mpi4py import MPI
 
-    def average(grads: list[torch.Tensor]) -> None:
-        grads = [getattr(g, "_local_tensor", g) for g in grads]  # tensor-parallel shards: this slice's own part
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        if transport == "mpi":
-            from mpi4py import MPI
-
+        def all_reduce(flat: torch.Tensor) -> None:
             mesh.comm("dp").Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-        else:
-            import torch.distributed as dist
+    else:
+        import torch.distributed as dist
 
+        def all_reduce(flat: torch.Tensor) -> None:
             dist.all_reduce(flat, group=mesh.group("dp"))
-        flat.div_(replicas)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
 
-    return average
+    return lambda grads: data_parallel.average_grads(grads, replicas, all_reduce)
 
 
 def _warm_up() -> None:

@@ -9,6 +9,7 @@ collective over every rank: DTensor shards are gathered), `close` frees it all.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from nbdist.engine import data_parallel, rank_mesh, registry, tensor_parallel, zero
 from nbdist.engine.memory import ActivationMeter, state_bytes
+from nbdist.engine.pipeline import restore, whole
 
 KIND = "sharded"
 
@@ -26,13 +28,13 @@ class ShardedModel:
     def __init__(self, spec):
         self.spec = spec
         self.me = rank_mesh.here(spec.mesh)
-        model = _restore(spec.model)()
+        model = restore(spec.model)()
         if spec.tp > 1:
             tensor_parallel.apply(model, self.me.device_mesh["tp"], spec.tp_plan)
         if spec.zero >= 2:
             zero.shard(model, self.me.device_mesh["dp"], spec.zero)
         self.model = data_parallel.wrap(model, self.me, spec.dp, spec.tp, spec.zero, spec.ddp)
-        make = _restore(spec.optimizer)
+        make = restore(spec.optimizer)
         self.optimizer = None if make is None else zero.optimizer(
             self.model.parameters(), make, spec.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(spec.dp, spec.tp, spec.zero)
@@ -49,7 +51,7 @@ class ShardedModel:
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
             with data_parallel.sync_on(self.model, last=i == m - 1):
                 t0 = time.perf_counter()
-                with meter if meter is not None else _nothing():
+                with meter if meter is not None else contextlib.nullcontext():
                     loss = loss_fn(self.model(x), y)
                     t1 = time.perf_counter()
                     (loss / m).backward()
@@ -76,10 +78,7 @@ class ShardedModel:
         named = self.model.named_parameters() if grads else [*self.model.named_parameters(),
                                                              *self.model.named_buffers()]
         for key, value in named:
-            tensor = value.grad if grads else value
-            if tensor is not None and hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            out[_unwrapped(key)] = None if tensor is None else tensor.detach().cpu().clone()
+            out[_unwrapped(key)] = whole(value.grad if grads else value)
         return out
 
     def memory_bytes(self) -> int:
@@ -95,7 +94,7 @@ def time_layers(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, f
     plan's step-time prediction starts from: the engines' own cores and threads, not the kernel's)."""
     from nbdist.sharding import predict
 
-    model = _restore(model_fn)()
+    model = restore(model_fn)()
     return predict.time_layers(model, predict.sample_input(model, size), repeats)
 
 
@@ -107,7 +106,7 @@ def setup(spec) -> str:
 def step(name: str, inputs, targets, loss_fn, memory: bool = False) -> dict:
     from nbdist.engine.boot import boot
 
-    return {**registry.get(KIND, name).step(inputs, targets, _restore(loss_fn), memory), "rank": boot().rank}
+    return {**registry.get(KIND, name).step(inputs, targets, restore(loss_fn), memory), "rank": boot().rank}
 
 
 def parameters(name: str, grads: bool) -> dict | None:
@@ -124,12 +123,6 @@ def close(name: str) -> None:
 def _unwrapped(key: str) -> str:
     """DDP names its model's parameters 'module.<key>': the unsplit model's key is <key>."""
     return key.removeprefix("module.")
-
-
-def _restore(payload):
-    import cloudpickle
-
-    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
 
 
 class _GatheredParams:
@@ -150,14 +143,6 @@ class _GatheredParams:
         for handle in self.handles:
             handle.remove()
         return self.peak
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9) -> dict:
@@ -209,8 +194,8 @@ def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: in
     param = nn.Parameter(torch.zeros(elements))
     param.grad = torch.ones(elements)
     make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[kind]
-    optimizer = make([param], lr=0.1) if kind != "sgd-momentum" else make([param])
+            "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
+    optimizer = make([param], lr=0.1)
     optimizer.step()
     seconds = []
     for _ in range(repeats):

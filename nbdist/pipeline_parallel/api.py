@@ -187,15 +187,7 @@ class Pipeline(GatheredModel):
         return self._shapes[key]
 
     def _check_batch(self, inputs, targets) -> None:
-        parts = self.replicas * self.schedule.microbatches
-        split = f"{self.replicas} replicas × {self.schedule.microbatches}" if self.replicas > 1 else str(parts)
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, torch.Tensor):
-                raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.shape[0] % parts:
-                raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
-        if inputs.shape[0] != targets.shape[0]:
-            raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
+        check_batch(inputs, targets, self.replicas, self.schedule.microbatches)
 
     # -- the interface a step's driver uses (step() here, the Stepper) ----------------------------------------------
 
@@ -376,6 +368,20 @@ def _schedule(schedule: str | Schedule, ranks: int, microbatches: int, chunks: i
             raise DistUsageError(f"the schedule is for {schedule.ranks} ranks, not {ranks} pipeline stages")
         return schedule
     return build(schedule, ranks, microbatches, chunks)
+
+
+def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
+    """One line unless `inputs` and `targets` are tensors of one global batch that splits into `replicas` equal
+    shares of `microbatches` equal micro-batches (a Pipeline's and a Sharded model's steps take such a batch)."""
+    parts = replicas * microbatches
+    split = f"{replicas} replicas × {microbatches}" if replicas > 1 else str(parts)
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape[0] % parts:
+            raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
+    if inputs.shape[0] != targets.shape[0]:
+        raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
 
 
 def portable(fn: Callable | None) -> bytes | None:

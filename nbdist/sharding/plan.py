@@ -17,20 +17,18 @@ nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable
 
-import torch
 from torch import nn
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster import Cluster, current
-from nbdist.errors import DistUsageError
 from nbdist.engine import sharded as on_ranks
+from nbdist.errors import DistUsageError
+from nbdist.meshes import Mesh, layout
 from nbdist.pipeline_parallel.api import portable
 from nbdist.sharding import predict
 
-_numbers = itertools.count()
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
 
 
@@ -158,11 +156,14 @@ class Plan:
         here = sum(host == socket.gethostname() for host in self.cluster.hosts)
         return max(1.0, here / len(os.sched_getaffinity(0)))
 
+    @property
+    def layout(self) -> Mesh:
+        """The plan's mesh as plain data (which rank is which replica, stage and slice), without building it."""
+        return layout(self.cluster.world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+
     def ranks(self) -> list[dict]:
         """One row per rank: its coordinates, its layers and its predicted memory."""
-        from nbdist.meshes import layout
-
-        mesh = layout(self.cluster.world_size, pp=self.pp, dp=self.dp, tp=self.tp)
+        mesh = self.layout
         memory = self.predicted_memory()
         rows = []
         for rank in range(self.cluster.world_size):

@@ -15,7 +15,7 @@ import torch
 from nbdist.engine import sharded as on_ranks
 from nbdist.errors import DistUsageError
 from nbdist.gathered import GatheredModel
-from nbdist.pipeline_parallel.api import portable
+from nbdist.pipeline_parallel.api import check_batch, portable
 from nbdist.schedules.simulate import Timeline
 from nbdist.sharding import predict
 from nbdist.sharding.spec import ShardSpec
@@ -43,7 +43,7 @@ class Sharded(GatheredModel):
         """One training step on the global batch; returns its loss (the mean over the replicas' micro-batches).
         `memory=True` also measures the bytes each rank holds (see measured_memory)."""
         self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
-        self._check_batch(inputs, targets)
+        check_batch(inputs, targets, self.plan.dp, self.plan.microbatches)
         xs, ys = inputs.chunk(self.plan.dp), targets.chunk(self.plan.dp)
         loss_fn = portable(loss_fn)
         args = {}
@@ -58,17 +58,6 @@ class Sharded(GatheredModel):
         firsts = [r["loss"] for r in results if r["coords"]["tp"] == 0]
         self.loss = sum(firsts) / len(firsts)
         return self.loss
-
-    def _check_batch(self, inputs, targets) -> None:
-        parts = self.plan.dp * self.plan.microbatches
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if not isinstance(t, torch.Tensor):
-                raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.shape[0] % parts:
-                raise DistUsageError(f"a batch of {t.shape[0]} {name} does not split into dp={self.plan.dp} × "
-                                     f"{self.plan.microbatches} micro-batches")
-        if inputs.shape[0] != targets.shape[0]:
-            raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
 
     def step_seconds(self) -> float:
         """The last step's time: first rank's start to last rank's end (the ranks share one host clock)."""
@@ -85,9 +74,7 @@ class Sharded(GatheredModel):
         """Per rank, the plan's prediction beside the measurement: bytes of parameters, gradients, optimizer state
         and activations (from the last step run with memory=True), and the step time (the last step's, against
         plan.predicted_step() when the plan was profiled)."""
-        from nbdist.meshes import layout
-
-        mesh = layout(self.cluster.world_size, pp=self.plan.pp, dp=self.plan.dp, tp=self.plan.tp)
+        mesh = self.plan.layout
         predicted = self.plan.predicted_memory()
         profiled = all(layer.forward_s is not None for layer in self.plan.layers)
         step = self.plan.predicted_step().total_s if profiled else None

@@ -318,9 +318,7 @@ def _predicted_step(plan) -> predict.StepTime | None:
     """The plan's predicted step once its layers are timed (never profiles: that is the button's to do)."""
     if any(layer.forward_s is None for layer in plan.layers):
         return None
-    step = plan.predicted_step()
-    step.pipeline.unit = "s"  # simulated with seconds: the timeline drawing then shows ms
-    return step
+    return plan.predicted_step()  # its pipeline Timeline is in seconds: the drawing shows ms
 
 
 def _counts_text(plan) -> str:
