@@ -369,3 +369,28 @@ class Run:
         counted = [m for m in measures if m.counts]
         return 0 if counted and all(m.passed for m in counted) and sane and not self.left else 1
 
+
+
+def adam(params):
+    """The optimizer every training benchmark uses (cloudpickled to the ranks)."""
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def gpt_and_text(spec: str):
+    """(model_fn, data_fn) for "layers,hidden,seq": the package's transformer (4 heads) and the byte corpus cut
+    into windows of seq tokens, as functions the ranks call."""
+    layers, hidden, seq = (int(v) for v in spec.split(","))
+
+    def model_fn():
+        from nbdist import models
+
+        return models.gpt(seq=seq, layers=layers, hidden=hidden, heads=4, seed=0)
+
+    def data_fn():
+        from nbdist import data
+
+        return data.text_dataset(seq=seq)
+
+    return model_fn, data_fn

@@ -28,6 +28,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--repeats", type=int, required=True)
+    p.add_argument("--dataset", action="store_true",
+                   help="read batches as nbdist.Trainer does (data.text_dataset, batch_indices, collate)")
     args = p.parse_args()
     layers, hidden, seq = (int(v) for v in args.model.split(","))
     dist.init_process_group("gloo")
@@ -35,14 +37,20 @@ def main() -> None:
     model = DistributedDataParallel(models.gpt(seq=seq, layers=layers, hidden=hidden, heads=4, seed=0))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     corpus = data.byte_corpus()
+    dataset = data.text_dataset(seq=seq) if args.dataset else None
     step = 0
+
+    def batch(k: int):
+        if dataset is None:
+            return data.token_batch(corpus, k, args.batch, seq)
+        return data.collate(dataset, data.batch_indices(len(dataset), k, args.batch, 0))
 
     def run(k: int) -> float:
         nonlocal step
         dist.barrier()
         started = time.perf_counter()
         for _ in range(k):
-            x, y = data.token_batch(corpus, step, args.batch, seq)
+            x, y = batch(step)
             x, y = x.chunk(world)[rank], y.chunk(world)[rank]
             optimizer.zero_grad()
             models.lm_loss(model(x), y).backward()

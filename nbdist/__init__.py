@@ -33,6 +33,7 @@ __all__ = [
     "mesh",
     "shard",
     "Plan",
+    "Trainer",
     "load_ipython_extension",
 ]
 
@@ -47,6 +48,7 @@ _LAZY = {
     "Mesh": "nbdist.meshes",
     "shard": "nbdist.sharding.plan",
     "Plan": "nbdist.sharding.plan",
+    "Trainer": "nbdist.training.trainer",
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from nbdist import launch
 from nbdist.checks import is_whole
+from nbdist.deaths import DeathWatch
 from nbdist.engine import boot, gpu_sync, rank_mesh, registry
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.meshes import Mesh, layout
@@ -96,6 +97,7 @@ class Cluster:
         self.startup_seconds: float | None = None
         self.generation: int | None = None  # which start this is: objects made on older engines are stale
         self.meshes: dict[str, Mesh] = {}  # the meshes built on these engines, by name (Cluster.mesh)
+        self._ended = False  # an engine died, which ended the MPI job: restart before use
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class Cluster:
         self.startup_seconds = time.perf_counter() - started
         self.generation = next(_generations)
         self.meshes = {}
+        self._ended = False
         _running.add(self)
         return self
 
@@ -169,6 +172,9 @@ class Cluster:
     def _require_running(self) -> launch.Launched:
         if self._launched is None:
             raise DistUsageError("the cluster is stopped: start it with %dist_start or nbdist.start()")
+        if self._ended:
+            raise DistUsageError("an engine died, which ended the MPI job: %dist_restart (or cluster.restart()) "
+                                 "starts fresh engines")
         return self._launched
 
     def _parse_ranks(self, ranks: Sequence[int] | str | None) -> list[int]:
@@ -191,7 +197,20 @@ class Cluster:
             timeout=timeout,
             relay=OutputRelay(ranks, show) if show is not None else None,
             after_failure=self._back_in_step,
+            death=self._death_watch().check,
+            after_death=self._after_death,
         )
+
+    def _death_watch(self) -> DeathWatch:
+        engines = next(iter(self._require_running().cluster.engines.values()), None)
+        return DeathWatch({row["rank"]: (row["host"], row["pid"]) for row in self._info},
+                          getattr(engines, "output_file", None))
+
+    def _after_death(self) -> str:
+        """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the
+        error names the dead rank at once rather than after the seconds a restart takes."""
+        self._ended = True
+        return "%dist_restart (or cluster.restart()) starts fresh engines; engine variables are lost"
 
     def _back_in_step(self) -> str:
         """After a rank failed and the engines survived: GPUs synchronised (or the engines restarted), then nbdist's

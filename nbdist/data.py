@@ -109,3 +109,59 @@ def _draw(samples: int, inputs: int, outputs: int, seed: int, noise: float,
     teacher = regression_teacher(inputs, outputs, seed)
     x = torch.randn(samples, inputs, generator=g)
     return x, teacher(x) + noise * torch.randn(samples, outputs, generator=g)
+
+
+# -- map-style data sets and their order (the Trainer's) ---------------------------------------------------------
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Item i: the i-th non-overlapping window of seq+1 tokens of `corpus`, as (x, y) = (window[:-1], window[1:])."""
+
+    def __init__(self, corpus: torch.Tensor, seq: int):
+        self.corpus, self.seq = corpus, whole_number(seq, "seq")
+        if len(corpus) <= self.seq:
+            raise DistUsageError(f"the corpus has {len(corpus)} tokens, too few for windows of seq+1 = {seq + 1}")
+
+    def __len__(self) -> int:
+        return (len(self.corpus) - 1) // self.seq
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.corpus[i * self.seq: i * self.seq + self.seq + 1].long()
+        return window[:-1], window[1:]
+
+
+def text_dataset(seq: int = 64, max_bytes: int = 1 << 20) -> TokenWindows:
+    """The byte corpus (standard library sources) cut into windows of `seq` tokens: a map-style data set."""
+    return TokenWindows(byte_corpus(max_bytes), seq)
+
+
+def regression_dataset(samples: int = 1024, inputs: int = 16, outputs: int = 1, seed: int = 0,
+                       noise: float = 0.01) -> torch.utils.data.TensorDataset:
+    """`regression(...)` as a map-style data set of (x, y) pairs."""
+    return torch.utils.data.TensorDataset(*regression(samples, inputs, outputs, seed, noise))
+
+
+def batch_indices(length: int, step: int, batch: int, seed: int = 0) -> torch.Tensor:
+    """The data-set indices of global batch `step`: the samples are read epoch after epoch, each epoch in its own
+    order (a permutation seeded by (seed, epoch)), and batch k takes positions k*batch .. (k+1)*batch - 1 of that
+    stream. It depends on nothing else, so the global batch of a step is the same on any engine count or plan,
+    and a resumed run reads on where the interrupted one stopped."""
+    length, batch = whole_number(length, "data set length"), whole_number(batch, "batch")
+    position, parts = whole_number(step, "step", 0) * batch, []
+    while batch > 0:
+        epoch, offset = divmod(position, length)
+        take = min(batch, length - offset)
+        parts.append(_epoch_order(length, seed, epoch)[offset: offset + take])
+        position, batch = position + take, batch - take
+    return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(length: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(length, generator=generator("epoch", seed, epoch))
+
+
+def collate(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (x, y) pairs at `indices`, stacked into a batch."""
+    pairs = [dataset[int(i)] for i in indices]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])

@@ -71,6 +71,27 @@ class DistMagics(Magics):
         display(nbdist.current().restart().status())
 
     @magic_arguments()
+    @argument("trainer", help="the name of an nbdist.Trainer in the notebook")
+    @argument("--steps", type=int, default=None, help="steps to train")
+    @argument("--epochs", type=float, default=None, help="passes over the data set (instead of --steps)")
+    @argument("--resume", default=None, help="a checkpoint (or checkpoint folder) to resume from first")
+    @argument("--save", action="store_true", help="write a checkpoint at the end")
+    @line_magic
+    @_usage_errors
+    def dist_train(self, line: str) -> None:
+        """Train an nbdist.Trainer: %dist_train tr --steps 100 [--resume ckpt] [--save] (tr.history keeps it)."""
+        args = parse_argstring(self.dist_train, line)
+        trainer = self.shell.user_ns.get(args.trainer)
+        if not isinstance(trainer, nbdist.Trainer):
+            raise UsageError(f"{args.trainer!r} is not an nbdist.Trainer in this notebook")
+        if args.resume:
+            trainer.resume(args.resume)
+        if args.steps or args.epochs:
+            trainer.fit(steps=args.steps, epochs=args.epochs)
+        if args.save:
+            print(f"saved {trainer.save()}")
+
+    @magic_arguments()
     @argument("--ranks", default="all", help="ranks to run on: all, 0, 0,2 or 1-3")
     @argument("--timeout", type=float, default=None, help="seconds before the cell is stopped on every rank")
     @argument("--output", default="rank0", help="whose output to show: rank0, all or none (errors: always)")

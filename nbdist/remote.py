@@ -24,6 +24,7 @@ ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take 
 INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was
 # seen too short once on 2 cores under a load of 8+ busy processes: a rank polling MPI was restarted, not freed)
 SHOW_MODES = ("rank0", "all", "none")
+DIED = "an engine process died (which ends the whole MPI job)"
 
 
 def label(rank: int) -> str:
@@ -107,6 +108,8 @@ class Waiter:
     progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
     progress_every: float = 0.5
     after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
+    death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
+    after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
     _restarted: bool = False
 
     def wait(self) -> list:
@@ -124,8 +127,9 @@ class Waiter:
                     self.progress(self.ar)
                 if first_failure_at is None and self._failed_ranks():
                     first_failure_at = time.monotonic()
-                if not self.engines_alive():
-                    reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
+                died = self._death()
+                if died:
+                    reason, action = died, self._after_death()
                     break
                 if first_failure_at is not None and time.monotonic() - first_failure_at > ERROR_GRACE_SECONDS:
                     action = self._free_stuck()
@@ -137,12 +141,23 @@ class Waiter:
             self._raise_failures("interrupted", self._back_in_step(self._free_stuck()), DistInterrupt)
         if action is None and any(_engine_died(e) for e in self._failed_ranks().values()):
             # every rank's result came back (as EngineError) before the launcher noticed the job had ended
-            reason, action = "an engine process died (which ends the whole MPI job)", self._restart()
+            reason, action = self._death() or DIED, self._after_death()
         self._finish_output()
         if self._failed_ranks():
             action = self._back_in_step(action)
         self._raise_failures(reason, action)
         return [child.result() for _, child in self._children()]
+
+    def _death(self) -> str | None:
+        """A line naming the rank that died, as soon as its process is gone (the launcher notices seconds later)."""
+        said = self.death() if self.death is not None else None
+        return said or (None if self.engines_alive() else DIED)
+
+    def _after_death(self) -> str:
+        if self.after_death is None:
+            return self._restart()
+        self._restarted = True  # nothing is left to bring back in step
+        return self.after_death()
 
     # -- per-rank state -------------------------------------------------------------------------------------
 

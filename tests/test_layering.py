@@ -26,7 +26,8 @@ PACKAGE = Path(nbdist.__file__).parent
 ENGINE = "nbdist.engine"
 KERNEL_ONLY = ("nbdist.cluster", "nbdist.lifeline_server", "nbdist.widgets", "nbdist.viz", "nbdist.remote", "nbdist.magics", "nbdist.launch",
                "nbdist.collectives.sweep", "nbdist.collectives.tracing", "nbdist.collectives.costmodel",
-               "nbdist.sharding.plan", "nbdist.sharding.sharded")
+               "nbdist.sharding.plan", "nbdist.sharding.sharded", "nbdist.training.trainer",
+               "nbdist.training.checkpoints")
 ENGINE_ONLY_LIBRARIES = ("torch.distributed", "torch.nn.parallel", "mpi4py")  # torch.nn.parallel: DDP
 COMPUTING = (ENGINE, "nbdist.cluster", "nbdist.remote", "nbdist.launch", "nbdist.collectives.sweep",
              "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.pipeline_parallel")

@@ -38,10 +38,20 @@ class ShardedModel:
         self.optimizer = None if make is None else zero.optimizer(
             self.model.parameters(), make, spec.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(spec.dp, spec.tp, spec.zero)
+        self.last_gradient_at = 0.0  # when backward last accumulated a parameter's gradient (see exposed_comm)
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(self._gradient_done)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, memory: bool = False) -> dict:
+    def _gradient_done(self, _param) -> None:
+        self.last_gradient_at = time.perf_counter()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, memory: bool = False, autocast=None,
+             scale=None, apply=None) -> dict:
         """One training step on this replica's share; the optimizer (if any) steps at the end. Gradients stay
-        until the next step begins, so `parameters(grads=True)` reads this step's."""
+        until the next step begins, so `parameters(grads=True)` reads this step's.
+
+        The Trainer's seams: `autocast` (a context) around each forward, `scale(loss)` before backward (fp16 loss
+        scaling), `apply(optimizer)` instead of `optimizer.step()` (clipping, the scaler's step)."""
         m = self.spec.microbatches
         self.model.zero_grad(set_to_none=True)
         meter = ActivationMeter() if memory else None
@@ -52,19 +62,23 @@ class ShardedModel:
             with data_parallel.sync_on(self.model, last=i == m - 1):
                 t0 = time.perf_counter()
                 with meter if meter is not None else contextlib.nullcontext():
-                    loss = loss_fn(self.model(x), y)
+                    with autocast if autocast is not None else contextlib.nullcontext():
+                        loss = loss_fn(self.model(x), y)
                     t1 = time.perf_counter()
-                    (loss / m).backward()
+                    (loss / m if scale is None else scale(loss / m)).backward()
                 t2 = time.perf_counter()
             spans += [(f"0F{i}", t0, t1), (f"0B{i}", t1, t2)]
             losses.append(loss.detach())
+        exposed = max(0.0, t2 - self.last_gradient_at) if self.last_gradient_at >= t1 else 0.0
         if self.by_hand:
+            t3 = time.perf_counter()
             data_parallel.average(self.model, self.me.group("dp"), self.spec.dp)
+            exposed += time.perf_counter() - t3
         if self.optimizer is not None:
-            self.optimizer.step()
+            self.optimizer.step() if apply is None else apply(self.optimizer)
         ended = time.perf_counter()
-        report = {"loss": torch.stack(losses).mean().item(), "spans": spans, "started": started, "ended": ended,
-                  "coords": self.me.coords}
+        report = {"loss": torch.stack(losses).float().mean().item(), "spans": spans, "started": started,
+                  "ended": ended, "coords": self.me.coords, "exposed_comm_s": exposed}
         if memory:
             held = state_bytes(self.model, self.optimizer)
             held["params"] = max(held["params"], gathered.close())

@@ -1,0 +1,100 @@
+"""Which engine died, said within a second of its death (kernel side).
+
+Why: one MPI rank dying (killed, out of memory) ends the whole MPICH job: Hydra kills the other ranks about 20 ms
+later, and ipyparallel's launcher notices the job is over only seconds after that (its state was still "running"
+4 s after a kill -9, measured here). A user needs the rank that died, not "every engine died". Two witnesses:
+- the engines' processes on this host, polled (a killed process is gone, or a zombie until its parent reaps it);
+  the rank seen dead first is the one that died, the others follow it;
+- Hydra's own report in mpiexec's output ("BAD TERMINATION ... PID <pid> RUNNING AT <host> ... EXIT CODE: 9"),
+  which also covers ranks on other hosts.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+_HYDRA = re.compile(r"BAD TERMINATION.*?PID (\d+) RUNNING AT (\S+).*?EXIT CODE: (\d+)", re.S)
+_SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+
+
+@dataclass
+class DeathWatch:
+    """Watches one cluster's engines: `check()` returns a line naming the dead rank(s), or None while all live."""
+
+    pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
+    output_file: str | None = None  # mpiexec's output, where Hydra reports a bad termination
+    first_seen: list[int] = field(default_factory=list)  # the ranks seen dead in the first check that saw any
+
+    def check(self) -> str | None:
+        here = socket.gethostname()
+        if not self.first_seen:
+            self.first_seen = [rank for rank, (host, pid) in sorted(self.pids.items())
+                               if host == here and not _alive(pid)]
+            newly_several = len(self.first_seen) > 1
+        else:
+            newly_several = False
+        reported = self._hydra()
+        if reported is None and newly_several:
+            reported = self._await_hydra()  # several seen dead at once: only Hydra knows which went first
+        if not self.first_seen and reported is None:
+            return None
+        return self.describe(reported)
+
+    def describe(self, reported: tuple[int, str] | None = None) -> str:
+        """Name the rank that died (Hydra's word first; else the first seen dead) and what killed it."""
+        if reported is not None:
+            rank, cause = reported
+            return f"rank {rank} (pid {self.pids[rank][1]}) died{cause}, which ends the whole MPI job"
+        if len(self.first_seen) == 1:
+            first = self.first_seen[0]
+            return f"rank {first} (pid {self.pids[first][1]}) died, which ends the whole MPI job"
+        ranks = ", ".join(map(str, self.first_seen))
+        return f"ranks {ranks} died together (which went first, mpiexec did not say), which ends the whole MPI job"
+
+    def _await_hydra(self, seconds: float = 1.0) -> tuple[int, str] | None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            reported = self._hydra()
+            if reported is not None:
+                return reported
+            time.sleep(0.05)
+        return None
+
+    def _hydra(self) -> tuple[int, str] | None:
+        if not self.output_file:
+            return None
+        try:
+            with open(self.output_file, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 16384))  # Hydra's report is the file's last words
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        found = _HYDRA.search(text)
+        if found is None:
+            return None
+        pid, killed = int(found.group(1)), _SIGNAL.search(text, found.end())
+        rank = next((r for r, (_, p) in self.pids.items() if p == pid), None)
+        cause = _signal_cause(int(killed.group(1))) if killed else f" (exit code {found.group(3)})"
+        return None if rank is None else (rank, cause)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal_cause(number: int) -> str:
+    """Hydra's exit string names the signal that ended a killed rank (9: kill -9, or the kernel's OOM killer)."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    hint = ": killed, or out of memory" if number == signal.SIGKILL else ""
+    return f" ({name}{hint})"

@@ -1,0 +1,61 @@
+"""What a rank tells the notebook while it trains (runs ON the engines): utilisation and memory, and its newest
+step records, published through ipyparallel's datapub (the notebook reads them from the running task).
+
+CPU engines: this process's CPU utilisation (percent of one core, psutil) and resident memory. GPU engines: the
+GPU's utilisation and memory in use from NVML (nvidia-ml-py), as nvidia-smi shows them. Sampled only when
+publishing (at most every PUBLISH_SECONDS), so a fast loop pays almost nothing for it.
+"""
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)  # the first call only starts the interval
+        self.nvml = _nvml_handle(device) if device.type == "cuda" else None
+
+    def sample(self) -> dict:
+        out = {"cpu_percent": self.process.cpu_percent(None), "rss_bytes": self.process.memory_info().rss}
+        if self.nvml is not None:
+            import pynvml
+
+            out["gpu_percent"] = float(pynvml.nvmlDeviceGetUtilizationRates(self.nvml).gpu)
+            out["gpu_memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used)
+        return out
+
+
+def _nvml_handle(device: torch.device):
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - no NVML (a driver without it): the dashboard shows CPU figures only
+        return None
+
+
+class Publisher:
+    """Calls datapub.publish_data at most every `every` seconds (never when `every` is None: no live view)."""
+
+    def __init__(self, trainer, every: float | None, records: int = 256):
+        self.trainer, self.every, self.records = trainer, every, records
+        self.last = 0.0
+
+    def __call__(self, force: bool) -> None:
+        if self.every is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        from ipyparallel.datapub import publish_data
+
+        trainer = self.trainer
+        publish_data({"trainer": trainer.spec.name, "rank": trainer.rank, "step": trainer.step,
+                      "records": trainer.records[-self.records:], **trainer.telemetry.sample()})

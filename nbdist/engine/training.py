@@ -1,0 +1,353 @@
+"""The Trainer's loop, ON the ranks: batches made here, steps run back to back, the notebook only watches.
+
+Why on the ranks: a step driven from the notebook pays a round trip (about 9 ms here) and ships every batch; a
+loop here pays neither. Each rank reads the global batch of step k from its own copy of the data set
+(nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share.
+
+At every step boundary the ranks agree, in one small MPI all-reduce over the mesh, on the step's loss and on
+whether anyone was asked to stop (SIGUSR1, which the notebook's Trainer sends when the user presses stop): so all
+ranks stop after the same step, with model and optimizer intact, and `fit` continues from there. The time a rank
+waits in that all-reduce is its idle time (it finished before the slowest rank).
+
+Each step's record: loss, learning rate, wall time, and per rank compute / communication / idle seconds
+(communication: what backward waited for after its last gradient was computed, i.e. the all-reduce not hidden
+behind compute, plus any explicit average); CPU utilisation and resident memory (psutil), GPU utilisation and
+memory (NVML) sampled at most every PUBLISH_SECONDS and published to the notebook (ipyparallel datapub).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+
+import torch
+
+from nbdist import data as datasets
+from nbdist.engine import mpi_work, rank_mesh, registry, telemetry
+from nbdist.engine.pipeline import restore
+
+KIND = "trainer"
+STOP_SIGNAL = signal.SIGUSR1  # "stop at the next step boundary" (SIGINT stays the interrupt that frees any wait)
+PUBLISH_SECONDS = 0.25
+RECORDS_PUBLISHED = 256  # the newest records sent with each publication (the notebook merges them by step)
+BOUNDARY_TIMEOUT_SECONDS = 600.0
+
+
+class RankTrainer:
+    """This rank's side of one Trainer: the data, the model (a sharded model or a replica with its synchroniser),
+    the step counter and the records of every step done."""
+
+    def __init__(self, spec):
+        from nbdist.engine.boot import boot
+
+        self.spec = spec
+        self.rank = boot().rank
+        self.device = torch.device(boot().device)
+        self.me = rank_mesh.here(spec.mesh)
+        self.replica = self.me.coords.get("dp", 0)
+        self.dataset = restore(spec.data)()
+        self.eval_set = restore(spec.eval_data)() if spec.eval_data else None
+        self.loss_fn = restore(spec.loss)
+        self.lr_schedule = restore(spec.lr_schedule)
+        self.runner = _runner(spec, self.me)
+        self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "fp16" else None
+        self.step = 0
+        self.records: list[dict] = []
+        self.stop_requested = False
+        self.telemetry = telemetry.Sampler(self.device)
+        self.pending_save = None  # an asynchronous checkpoint being written (engine/checkpoint.py)
+        self.writer_group = None
+        self.last_save_stall_s: float | None = None
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def share(self, step: int, dataset=None, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's share of global batch `step`, on this rank's device."""
+        dataset = self.dataset if dataset is None else dataset
+        indices = datasets.batch_indices(len(dataset), step, self.spec.batch_size,
+                                         self.spec.seed if seed is None else seed)
+        x, y = datasets.collate(dataset, indices.chunk(self.spec.replicas)[self.replica])
+        return x.to(self.device), y.to(self.device)
+
+    def train_step(self) -> dict:
+        k = self.step
+        self._set_learning_rate(k)
+        x, y = self.share(k)
+        started = time.perf_counter()
+        report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
+        delay = self.spec.straggler.get(self.rank, 0.0)
+        if delay:
+            time.sleep(delay)
+        computed = time.perf_counter()
+        loss, stop, waited = self._agree(report["loss"])
+        ended = time.perf_counter()
+        comm = report.get("comm_s", 0.0)
+        record = {"step": k, "loss": loss, "lr": self._lr(), "rank": self.rank, "started": started,
+                  "ended": ended, "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
+                  "comm_s": comm, "idle_s": waited + report.get("idle_s", 0.0),
+                  "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
+        if x.dim() >= 2 and not x.is_floating_point():
+            record["tokens"] = self.spec.batch_size * x.shape[1]
+        self.step += 1
+        self.records.append(record)
+        self.stop_requested = self.stop_requested or stop
+        return record
+
+    def _autocast(self):
+        precision = self.spec.precision
+        if precision == "fp32":
+            return None
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _apply(self, optimizer) -> None:
+        """The optimizer's step with the Trainer's extras: unscale (fp16), clip the global gradient norm, step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.spec.clip is not None:
+            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.clip)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def _set_learning_rate(self, step: int) -> None:
+        if self.lr_schedule is None or self.runner.optimizer is None:
+            return
+        factor = float(self.lr_schedule(step))
+        for group, base in zip(self.runner.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+
+    def _lr(self) -> float | None:
+        optimizer = self.runner.optimizer
+        return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+
+    def _agree(self, loss: float | None) -> tuple[float, bool, float]:
+        """The step boundary: (the mean loss over the replicas, whether any rank was asked to stop, seconds this
+        rank waited for the others). One MPI all-reduce over the mesh, completed by polling (interruptible)."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([float(self.stop_requested), loss or 0.0, 1.0 if loss is not None else 0.0])
+        total = np.zeros(3)
+        started = time.perf_counter()
+        request = self.boundary.Iallreduce(mine, total, op=MPI.SUM)
+        try:
+            done = mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS)
+        except BaseException:
+            mpi_work.abandoned.append(([request], (mine, total)))
+            self.boundary = None  # out of step with the others: the next fit makes a fresh one
+            raise
+        if not done:
+            mpi_work.abandoned.append(([request], (mine, total)))
+            self.boundary = None
+            raise TimeoutError(f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s at the end of step "
+                               f"{self.step} for the other ranks")
+        waited = time.perf_counter() - started
+        return (float(total[1] / total[2]) if total[2] else math.nan), bool(total[0] > 0), waited
+
+    # -- evaluation and the loop ------------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """The mean loss over `eval_batches` fixed batches of the evaluation set (the same on any plan)."""
+        model = self.runner.model
+        model.eval()
+        losses = []
+        try:
+            with torch.no_grad(), (self._autocast() or contextlib.nullcontext()):
+                for j in range(self.spec.eval_batches):
+                    x, y = self.share(j, self.eval_set, self.spec.seed + 1)
+                    losses.append(float(self.loss_fn(model(x), y)))
+        finally:
+            model.train()
+        mean, _, _ = self._agree(sum(losses) / len(losses))
+        return mean
+
+    def fit(self, steps: int, publish_every: float | None) -> dict:
+        """Train `steps` steps (fewer if stopped); return this rank's records of them."""
+        from nbdist.engine import checkpoint
+
+        first = len(self.records)
+        self.boundary = self.me.everyone.Dup()
+        self.stop_requested = False
+        publish = telemetry.Publisher(self, publish_every, RECORDS_PUBLISHED)
+        try:
+            with _stop_requests(self):
+                for _ in range(steps):
+                    record = self.train_step()
+                    if self._due(self.spec.eval_every):
+                        record["eval_loss"] = self.evaluate()
+                    checkpoint.settle(self, wait=False)
+                    if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
+                        record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
+                                                               self.spec.async_checkpoint)
+                        record["checkpoint_stall_s"] = self.last_save_stall_s
+                    publish(force=False)
+                    if self.stop_requested:
+                        break
+            checkpoint.settle(self, wait=True)
+        finally:
+            if self.boundary is not None:
+                self.boundary.Free()
+            self.boundary = None
+        publish(force=True)
+        return {"rank": self.rank, "records": self.records[first:], "step": self.step,
+                "stopped": self.stop_requested}
+
+    def _due(self, every: int | None) -> bool:
+        return bool(every) and self.step % every == 0
+
+
+def clip_gradients(params: list, max_norm: float) -> float:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_
+    does on one process. Sharded gradients (DTensors: tensor parallel, FSDP2) count whole: their norm is taken of
+    the gathered tensor, so every rank computes the same total (a collective, in parameter order)."""
+    from nbdist.engine.pipeline import whole
+
+    squares = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        squares += whole(g).double().pow(2).sum()
+    norm = float(squares.sqrt())
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return norm
+
+
+@contextlib.contextmanager
+def _stop_requests(trainer: RankTrainer):
+    """While the loop runs, STOP_SIGNAL asks it to stop at the next step boundary (every rank agrees there)."""
+    def ask(*_):
+        trainer.stop_requested = True
+
+    previous = signal.signal(STOP_SIGNAL, ask)
+    try:
+        yield
+    finally:
+        signal.signal(STOP_SIGNAL, previous)
+
+
+# -- what the model is: a sharded model of the plan, or a replica with its synchroniser ----------------------------
+
+
+class ShardedRunner:
+    """pp = 1 plans (dp, tp, ZeRO): nbdist's ShardedModel (engine/sharded.py), built by the plan's apply()."""
+
+    def __init__(self, name: str):
+        from nbdist.engine import sharded
+
+        self.sharded = registry.get(sharded.KIND, name)
+        self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        report = self.sharded.step(x, y, loss_fn, autocast=autocast, scale=scale, apply=apply)
+        return {"loss": report["loss"], "comm_s": report["exposed_comm_s"]}
+
+    def finish(self) -> None:
+        pass
+
+
+class ReplicaRunner:
+    """The asynchronous and periodic modes (local SGD, EASGD, SSP): each rank a whole model and its own
+    optimizer; the synchroniser (engine/sync_modes.py) decides what crosses the network and when."""
+
+    def __init__(self, spec, me):
+        from nbdist.engine import sync_modes
+
+        self.model = restore(spec.model_fn)()
+        self.optimizer = restore(spec.optimizer)(self.model.parameters())
+        self.sync = sync_modes.make(spec.sync, self.model, self.optimizer, me.comm("dp"), dict(spec.sync_options))
+        self.microbatches = spec.microbatches
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return self.sync.step(step, x, y, loss_fn, self.microbatches)
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+
+def _runner(spec, me):
+    if spec.kind == "sharded":
+        return ShardedRunner(spec.model)
+    if spec.kind == "replica":
+        return ReplicaRunner(spec, me)
+    raise ValueError(f"no runner for {spec.kind!r}")
+
+
+# -- what the notebook calls ------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    """The same torch, random and numpy seed on every rank before the model is built (a model_fn that does not
+    seed itself still builds equal replicas)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
+def setup(spec) -> dict:
+    trainer = registry.put(KIND, spec.name, RankTrainer(spec))
+    return {"rank": trainer.rank, "length": len(trainer.dataset)}
+
+
+def fit(name: str, steps: int, publish_every: float | None) -> dict:
+    return registry.get(KIND, name).fit(steps, publish_every)
+
+
+def finish(name: str) -> None:
+    """Bring the replicas to one model (asynchronous modes; nothing to do for all-reduce)."""
+    registry.get(KIND, name).runner.finish()
+
+
+def records(name: str, since: int) -> dict:
+    trainer = registry.get(KIND, name)
+    return {"rank": trainer.rank, "records": [r for r in trainer.records if r["step"] >= since],
+            "step": trainer.step}
+
+
+def tensors(name: str) -> dict | None:
+    """The whole model's parameters and buffers under the unsplit keys, on the mesh's first rank (None elsewhere;
+    every rank takes part: sharded tensors are gathered)."""
+    trainer = registry.get(KIND, name)
+    runner = trainer.runner
+    if isinstance(runner, ShardedRunner):
+        out = runner.sharded.tensors(grads=False)
+    else:
+        out = {k: v.detach().cpu().clone() for k, v in runner.model.state_dict().items()}
+    return out if not any(trainer.me.coords.values()) else None
+
+
+def save(name: str, directory: str, asynchronous: bool = False) -> str:
+    """A checkpoint now (complete when this returns, also when written asynchronously)."""
+    from nbdist.engine import checkpoint
+
+    trainer = registry.get(KIND, name)
+    path = checkpoint.save(trainer, directory, asynchronous)
+    checkpoint.settle(trainer, wait=True)
+    return path
+
+
+def load(name: str, path: str) -> int:
+    from nbdist.engine import checkpoint
+
+    return checkpoint.load(registry.get(KIND, name), path)
+
+
+def close(name: str) -> None:
+    trainer = registry.find(KIND, name)
+    if trainer is not None and isinstance(trainer.runner, ReplicaRunner):
+        trainer.runner.sync.close()
+    registry.drop(KIND, name)

@@ -1,0 +1,250 @@
+"""nbdist.Trainer: full training from the notebook, the loop on the ranks, watched live, stoppable, resumable.
+
+    tr = nbdist.Trainer(lambda: models.gpt(layers=4), lambda: data.text_dataset(seq=64), models.lm_loss,
+                        lambda params: torch.optim.Adam(params, lr=1e-3), plan={"dp": 2}, batch_size=32,
+                        checkpoint_dir="ckpt", checkpoint_every=50)
+    tr.fit(steps=200)     # progress bar and dashboard; the stop button stops every rank at a step boundary
+    tr.save(); tr.state_dict(); tr.step
+    tr = nbdist.Trainer(...same...).resume("ckpt")   # after %dist_restart, on any engine count
+
+The ranks run the loop (nbdist/engine/training.py), read their own batches and checkpoint with DCP
+(nbdist/engine/checkpoint.py); this side builds the plan, sends one call per `fit`, draws what the ranks publish
+(nbdist/training/dashboard.py) and keeps the history: one record per step with the loss, the learning rate and,
+per rank, the step's compute, communication and idle seconds.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import socket
+import sys
+from typing import Callable
+
+from nbdist.checks import one_of, whole_number
+from nbdist.cluster import Cluster, current
+from nbdist.engine import training as on_ranks
+from nbdist.errors import DistInterrupt, DistUsageError
+from nbdist.pipeline_parallel.api import portable
+from nbdist.training import checkpoints
+from nbdist.training.history import History
+from nbdist.training.spec import PRECISIONS, SYNC_KINDS, TrainSpec
+
+_numbers = itertools.count()
+
+
+class Trainer:
+    """A training run on the cluster (see the module docstring). `plan`: None (data parallel over every engine), a
+    dict of nbdist.shard's choices (dp, tp, zero, ...), or a Plan. `sync`: "allreduce" (the plan's own
+    synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a whole model; `sync_options` e.g.
+    {"period": 4}). `straggler={rank: seconds}` slows a rank by that much per step (for teaching). `live`: the
+    dashboard in a notebook (True), none (False), or drawn even outside a notebook ("always": for measuring it)."""
+
+    def __init__(self, model_fn: Callable, data_fn: Callable, loss_fn: Callable, optimizer_fn: Callable,
+                 plan=None, batch_size: int = 64, seed: int = 0, checkpoint_dir: str | None = None,
+                 checkpoint_every: int | None = None, precision: str = "fp32", grad_accum: int = 1,
+                 sync: str = "allreduce", *, sync_options: dict | None = None, clip: float | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, eval_data_fn: Callable | None = None,
+                 eval_every: int | None = None, eval_batches: int = 4, straggler: dict | None = None,
+                 async_checkpoint: bool = False, live: bool = True, tensorboard: str | None = None,
+                 trace: str | None = None, cluster: Cluster | None = None):
+        self.cluster = cluster or current()
+        _check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
+        one_of(precision, PRECISIONS, "precision")
+        one_of(sync, SYNC_KINDS, "sync")
+        whole_number(batch_size, "batch_size")
+        whole_number(grad_accum, "grad_accum")
+        whole_number(seed, "seed", 0)
+        for label, every in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+            if every is not None:
+                whole_number(every, label)
+        if checkpoint_every and not checkpoint_dir:
+            raise DistUsageError("checkpoint_every needs a checkpoint_dir to write into")
+        if eval_every and eval_data_fn is None:
+            raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {clip!r}")
+        self.arguments = dict(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
+                              plan=plan, batch_size=batch_size, seed=seed, precision=precision,
+                              grad_accum=grad_accum, sync=sync)
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
+        self.live, self.tensorboard, self.trace = live, tensorboard, trace
+        self.id = f"train{next(_numbers)}"
+        self.cluster.run(on_ranks.seed_everything, seed)
+        self.model = None
+        kind, model_name, mesh, self.plan = self._build(model_fn, optimizer_fn, plan, grad_accum, sync)
+        self.replicas = mesh.dim_size("dp")
+        if batch_size % (self.replicas * grad_accum):
+            raise DistUsageError(f"batch_size {batch_size} must divide evenly over {self.replicas} replica(s) × "
+                                 f"{grad_accum} micro-batch(es) of gradient accumulation")
+        self.mesh = mesh
+        self.spec = TrainSpec(
+            name=self.id, mesh=mesh.name, model=model_name, kind=kind, data=portable(data_fn),
+            loss=portable(loss_fn), batch_size=batch_size, seed=seed, replicas=self.replicas, precision=precision,
+            clip=clip, lr_schedule=portable(lr_schedule), eval_data=portable(eval_data_fn), eval_every=eval_every,
+            eval_batches=whole_number(eval_batches, "eval_batches"), straggler=dict(straggler or {}), sync=sync,
+            sync_options=dict(sync_options or {}), optimizer=portable(optimizer_fn) if kind == "replica" else None,
+            model_fn=portable(model_fn) if kind == "replica" else None, microbatches=grad_accum,
+            checkpoint_dir=self.checkpoint_dir, checkpoint_every=checkpoint_every,
+            async_checkpoint=bool(async_checkpoint))
+        if self.checkpoint_dir:
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
+        infos = self.cluster.run(on_ranks.setup, self.spec)
+        self.dataset_length = infos[0]["length"]
+        self.history = History()
+        self.stopped = False
+
+    def _build(self, model_fn, optimizer_fn, plan, grad_accum: int, sync: str):
+        """(kind, the model's name on the ranks, the mesh, the Plan) for this run."""
+        from nbdist.sharding.plan import Plan, shard
+
+        world = self.cluster.world_size
+        if sync != "allreduce":
+            if plan is not None and not (isinstance(plan, dict) and set(plan) <= {"dp"}):
+                raise DistUsageError(f"sync={sync!r} trains whole replicas: give plan=None (or {{'dp': {world}}}), "
+                                     "not tensor, pipeline or ZeRO sharding")
+            return "replica", None, self.cluster.mesh(dp=world), None
+        if plan is None:
+            plan = shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster)
+        elif isinstance(plan, dict):
+            plan = shard(model_fn, **{"microbatches": grad_accum, **plan}, cluster=self.cluster)
+        elif not isinstance(plan, Plan):
+            raise DistUsageError(f"plan must be None, a dict of nbdist.shard's choices or a Plan, got "
+                                 f"{type(plan).__name__}")
+        elif grad_accum != 1 and plan.microbatches != grad_accum:
+            raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "
+                                 "it in one place")
+        if plan.pp > 1:
+            raise DistUsageError("the Trainer runs plans with pp = 1 (data, tensor and ZeRO parallelism); a "
+                                 "pipeline trains step by step with plan.apply().step(...)")
+        self.model = plan.apply(optimizer_fn)
+        return "sharded", self.model.id, self.model.mesh, plan
+
+    # -- the run ----------------------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Steps done (also after a resume: the checkpoint's step)."""
+        return self.history.step
+
+    def fit(self, steps: int | None = None, epochs: float | None = None) -> list[dict]:
+        """Train `steps` more steps (or `epochs` passes over the data set); returns the whole history (one record
+        per step). In a notebook a dashboard shows it live; the stop button stops every rank after the step it is
+        in (model and optimizer kept: call fit again to go on)."""
+        steps = self._steps(steps, epochs)
+        from nbdist.widgets.dashboard import Dashboard
+
+        view = Dashboard.open(self, steps, always=self.live == "always") if self.live else None
+        publish_every = on_ranks.PUBLISH_SECONDS if view is not None else None
+        args = {rank: (self.id, steps, publish_every) for rank in range(self.cluster.world_size)}
+        with _graceful_stop(self) as stop:
+            try:
+                results = self.cluster.run_each(on_ranks.fit, args, progress=view.progress if view else None)
+            except DistInterrupt:
+                if not stop.asked:
+                    raise
+                results = self.cluster.run(on_ranks.records, self.id, self.step)
+        for result in results:
+            self.history.add(result["records"])
+        self.stopped = any(r.get("stopped") for r in results) or stop.asked
+        if view is not None:
+            view.close(self.history)
+        self._export()
+        if self.stopped:
+            print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
+        return self.history.records
+
+    def _steps(self, steps, epochs) -> int:
+        if (steps is None) == (epochs is None):
+            raise DistUsageError("give fit either steps= or epochs=")
+        if steps is not None:
+            return whole_number(steps, "steps")
+        if not isinstance(epochs, (int, float)) or epochs <= 0:
+            raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
+        return max(1, math.ceil(epochs * self.dataset_length / self.spec.batch_size))
+
+    def _export(self) -> None:
+        if self.tensorboard:
+            self.history.to_tensorboard(self.tensorboard)
+        if self.trace:
+            self.history.to_chrome_trace(self.trace)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, directory: str | None = None, asynchronous: bool = False) -> str:
+        """Write a checkpoint of this step now (into `directory` or the checkpoint_dir); returns its folder once
+        it is complete (`asynchronous`: written by DCP's async_save, as the periodic ones with async_checkpoint)."""
+        directory = os.path.abspath(directory) if directory else self.checkpoint_dir
+        if directory is None:
+            raise DistUsageError("save() needs a folder: give save(directory) or Trainer(checkpoint_dir=...)")
+        os.makedirs(directory, exist_ok=True)
+        return self.cluster.run(on_ranks.save, self.id, directory, asynchronous)[0]
+
+    def resume(self, path: str | None = None) -> "Trainer":
+        """Load a checkpoint (a step_* folder, or a checkpoint folder: its newest complete checkpoint) into this
+        trainer's model and optimizer, on any engine count or plan; training goes on from its step."""
+        path = checkpoints.find(path or self.checkpoint_dir)
+        try:
+            step = self.cluster.run(on_ranks.load, self.id, path)[0]
+        except Exception as e:
+            raise DistUsageError(checkpoints.unreadable(path, e)) from None
+        self.history.truncate(step)
+        return self
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The model's parameters and buffers gathered into the notebook under the unsplit model's keys (the
+        asynchronous modes first bring the replicas to one model)."""
+        self.cluster.run(on_ranks.finish, self.id)
+        return next(t for t in self.cluster.run(on_ranks.tensors, self.id) if t is not None)
+
+    def close(self) -> None:
+        if self.cluster.running:
+            self.cluster.run(on_ranks.close, self.id)
+            if self.model is not None:
+                self.model.close()
+
+    def __repr__(self) -> str:
+        what = self.plan.describe() if self.plan is not None else f"{self.spec.sync} over {self.replicas} replicas"
+        return f"<nbdist Trainer {self.id}: {what}; step {self.step}>"
+
+
+def _check_functions(**functions) -> None:
+    for label, fn in functions.items():
+        if not callable(fn):
+            raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
+
+
+class _graceful_stop:
+    """While fit waits: the first SIGINT (the notebook's stop button) asks every rank to stop at the next step
+    boundary (engine/training.STOP_SIGNAL); a second one interrupts as usual (frees any wait, see remote.Waiter)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.asked, self.previous = trainer, False, None
+
+    def __enter__(self) -> "_graceful_stop":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def _ask(self, *_):
+        if self.asked:
+            signal.signal(signal.SIGINT, self.previous or signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.asked = True
+        here = socket.gethostname()
+        for row in self.trainer.cluster._info:
+            if row["host"] == here:
+                try:
+                    os.kill(row["pid"], on_ranks.STOP_SIGNAL)
+                except ProcessLookupError:
+                    pass
+        sys.stderr.write("stopping every rank at the next step boundary (press stop again to interrupt now)\n")
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)

@@ -1,0 +1,83 @@
+"""The Trainer's live dashboard (kernel side): a progress bar and one figure (viz/training.py) redrawn from what
+the ranks publish while they train, at least once a second; headless, the final figure as a static copy and a
+text summary."""
+from __future__ import annotations
+
+import time
+
+import ipywidgets as widgets
+
+from nbdist.viz.display import figure_html
+from nbdist.viz.training import training_figure
+from nbdist.widgets.figure import PlotlyFigure
+from nbdist.widgets.static_copy import WithStaticCopy
+
+REDRAW_SECONDS = 0.5
+
+
+class Dashboard(WithStaticCopy):
+    def __init__(self, trainer, steps: int):
+        from nbdist.training.history import History
+
+        self.trainer, self.first, self.steps = trainer, trainer.step, steps
+        self.live = History()
+        self.live.by_step = dict(trainer.history.by_step)
+        self.telemetry: dict[int, dict] = {}
+        self.bar = widgets.IntProgress(min=0, max=steps, value=0, description="training")
+        self.label = widgets.HTML()
+        self.plot = PlotlyFigure()
+        self.widget = widgets.VBox([widgets.HBox([self.bar, self.label]), self.plot])
+        self.last_draw = 0.0
+        self.redraws = 0
+
+    @classmethod
+    def open(cls, trainer, steps: int, always: bool = False) -> "Dashboard | None":
+        """A dashboard shown in the notebook; outside an IPython kernel (a plain script) None, or with `always` one
+        that draws without being shown (what a benchmark of its cost needs)."""
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        if shell is None or not hasattr(shell, "kernel"):
+            return cls(trainer, steps) if always else None
+        return cls(trainer, steps).show()
+
+    def progress(self, ar) -> None:
+        """Called by the cluster's wait about twice a second: merge what the ranks published, redraw."""
+        for published in ar.data:
+            if isinstance(published, dict) and published.get("trainer") == self.trainer.id:
+                self.live.add(published["records"])
+                self.telemetry[published["rank"]] = {k: v for k, v in published.items()
+                                                     if k.endswith(("_percent", "_bytes"))}
+        if time.monotonic() - self.last_draw >= REDRAW_SECONDS:
+            self._draw()
+
+    def _draw(self) -> None:
+        self.last_draw = time.monotonic()
+        self.redraws += 1
+        done = self.live.step - self.first
+        self.bar.value = max(0, min(done, self.steps))
+        rows = self.live.records
+        if rows:
+            self.label.value = (f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; "
+                                f"{self.live.throughput(last=20):.1f} samples/s")
+        self.plot.show(self.figure())
+
+    def figure(self):
+        return training_figure(self.live.records, self.telemetry, title=f"{self.trainer!r}"[1:-1])
+
+    def close(self, history) -> None:
+        """The run's end: draw the whole history, update the static copy, print the text summary."""
+        self.live.by_step = dict(history.by_step)
+        self.live.step = history.step
+        self._draw()
+        self._update_static()
+        print(history.summary())
+
+    def static_html(self) -> str:
+        return figure_html(self.figure(), loader=False)
+
+    def _static_text(self) -> str:
+        return self.trainer.history.summary()
