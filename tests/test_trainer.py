@@ -212,11 +212,13 @@ def test_a_straggler_makes_the_others_idle(cluster):
         tr.close()
 
 
-def test_exports_a_chrome_trace(cluster, tmp_path):
+def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
     import json
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     trace = tmp_path / "trace.json"
-    tr = trainer(cluster, trace=str(trace))
+    tr = trainer(cluster, trace=str(trace), tensorboard=str(tmp_path / "tb"))
     try:
         tr.fit(steps=2)
         events = json.loads(trace.read_text())["traceEvents"]
@@ -224,6 +226,9 @@ def test_exports_a_chrome_trace(cluster, tmp_path):
         assert sorted((e["tid"], e["name"]) for e in steps) == [(0, "step 0"), (0, "step 1"), (1, "step 0"),
                                                                  (1, "step 1")]
         assert {e["name"] for e in events if e.get("ph") == "X"} >= {"compute", "idle"}
+        scalars = EventAccumulator(str(tmp_path / "tb")).Reload()
+        losses = [(e.step, e.value) for e in scalars.Scalars("loss/train")]
+        assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in tr.history.records]
     finally:
         tr.close()
 
