@@ -82,7 +82,8 @@ def assert_same(got: dict, expected: dict, atol: float = ATOL) -> None:
         torch.testing.assert_close(got[key], value, atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
-PLANS = [None, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3}, {"tp": 2}]
+PLANS = [None, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3}, {"tp": 2},
+         {"pp": 2, "microbatches": 2}, {"pp": 2, "microbatches": 2, "schedule": "interleaved-1f1b", "chunks": 2}]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "ddp" if p is None else " ".join(f"{k}={v}" for k, v in p.items()))
@@ -97,6 +98,15 @@ def test_fit_trains_like_one_process(cluster, plan):
         tr.close()
 
 
+def test_four_engine_meshes_train_like_one_process():
+    with nbdist.Cluster(ClusterOptions(n=4)).start() as four:
+        for plan in ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2, "microbatches": 2}):
+            tr = trainer(four, plan=plan)
+            tr.fit(steps=3)
+            assert_same(tr.state_dict(), serial(3))
+            tr.close()
+
+
 def test_gradient_accumulation_clipping_and_schedule_match_one_process(cluster):
     tr = trainer(cluster, grad_accum=2, clip=0.5, lr_schedule=warm_then_decay)
     try:
@@ -107,8 +117,9 @@ def test_gradient_accumulation_clipping_and_schedule_match_one_process(cluster):
         tr.close()
 
 
-def test_clipping_a_tensor_parallel_model_matches_one_process(cluster):
-    tr = trainer(cluster, plan={"tp": 2}, clip=0.5)
+@pytest.mark.parametrize("plan", [{"tp": 2}, {"pp": 2, "microbatches": 2}], ids=["tp=2", "pp=2"])
+def test_clipping_a_split_model_matches_one_process(cluster, plan):
+    tr = trainer(cluster, plan=plan, clip=0.5)
     try:
         tr.fit(steps=3)
         assert_same(tr.state_dict(), serial(3, clip=0.5))
@@ -158,7 +169,7 @@ def test_asynchronous_checkpoints_resume_exactly(cluster, tmp_path):
 
 
 def test_resume_on_another_plan_and_engine_count_reshards(cluster, tmp_path):
-    first = trainer(cluster)
+    first = trainer(cluster, plan={"pp": 2, "microbatches": 2})
     first.fit(steps=2)
     path = first.save(str(tmp_path))
     first.close()
@@ -239,7 +250,7 @@ def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"checkpoint_every": 2}, "checkpoint_every needs a checkpoint_dir"),
     ({"eval_every": 2}, "eval_every needs an eval_data_fn"),
-    ({"plan": {"pp": 2, "microbatches": 2}}, "the Trainer runs plans with pp = 1"),
+    ({"plan": {"pp": 2, "microbatches": 2}, "precision": "bf16"}, "precision='bf16' with pp > 1"),
     ({"plan": {"dp": 3}}, "the product must be the world size"),
     ({"sync": "local-sgd", "plan": {"tp": 2}}, "trains whole replicas"),
     ({"clip": -1}, "clip must be a positive number"),

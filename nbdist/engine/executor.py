@@ -92,6 +92,7 @@ class StageExecutor:
         self.dp_average = dp_average  # callable(list of gradient tensors) averaging them over the dp group, or None
         params = self.parameters()
         self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.apply_optimizer = None  # set by the Trainer: its optimizer step (clipping) instead of optimizer.step()
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
         self.epoch = 0  # steps begun: part of every message tag
@@ -202,7 +203,7 @@ class StageExecutor:
         if self.dp_average is not None:
             self.dp_average([p.grad for p in self.parameters() if p.grad is not None])
         if self.optimizer is not None and self.spec.pipedream_lr is None:
-            self.optimizer.step()
+            self.optimizer.step() if self.apply_optimizer is None else self.apply_optimizer(self.optimizer)
         loss = float(sum(state.losses) / self.spec.microbatches) if state.losses else None
         return {"loss": loss, "spans": [s.as_tuple() for s in state.spans], "calls": list(state.calls)}
 

@@ -110,7 +110,8 @@ class RankTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if self.spec.clip is not None:
-            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.clip)
+            stages = self.me.comm("pp") if "pp" in self.me.mesh.names else None
+            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.clip, stages)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -204,22 +205,37 @@ class RankTrainer:
         return bool(every) and self.step % every == 0
 
 
-def clip_gradients(params: list, max_norm: float) -> float:
+def clip_gradients(params: list, max_norm: float, stages=None) -> float:
     """Scale the gradients so that their global 2-norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_
     does on one process. Sharded gradients (DTensors: tensor parallel, FSDP2) count whole: their norm is taken of
-    the gathered tensor, so every rank computes the same total (a collective, in parameter order)."""
+    the gathered tensor, so every rank computes the same total (a collective, in parameter order). `stages`: the
+    pipeline's MPI communicator, over which each stage's share of the squares is summed."""
     from nbdist.engine.pipeline import whole
 
     squares = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
         squares += whole(g).double().pow(2).sum()
-    norm = float(squares.sqrt())
+    total = float(squares) if stages is None else _sum_over(stages, float(squares))
+    norm = math.sqrt(total)
     coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
         for g in grads:
             g.mul_(coefficient)
     return norm
+
+
+def _sum_over(comm, value: float) -> float:
+    """`value` summed over an MPI communicator, completed by polling (an interrupt can free it)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine, total = np.array([value]), np.zeros(1)
+    request = comm.Iallreduce(mine, total, op=MPI.SUM)
+    if not mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS):
+        mpi_work.abandoned.append(([request], (mine, total)))
+        raise TimeoutError("the pipeline's ranks did not sum their gradient norms in time")
+    return float(total[0])
 
 
 @contextlib.contextmanager
@@ -255,6 +271,50 @@ class ShardedRunner:
         pass
 
 
+class PipelineRunner:
+    """pp > 1 plans: nbdist's pipeline executor on this rank (its stages, split over tp, averaged over dp), one
+    full-speed step per call. `model` names its layers as the unsplit model does, for checkpoints."""
+
+    def __init__(self, spec):
+        from nbdist.engine import pipeline
+
+        self.name, self.shapes = spec.model, spec.pipeline["shapes"]
+        self.executor = registry.get(pipeline.KIND, spec.model)
+        self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
+        self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
+        self.optimizer = self.executor.optimizer
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        from nbdist.engine import pipeline
+        from nbdist.schedules.actions import Action
+
+        self.executor.apply_optimizer = apply
+        started = time.perf_counter()
+        report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
+        wall = time.perf_counter() - started
+        compute = comm = 0.0
+        for action, start, end, *_ in report["spans"]:
+            if Action.parse(action).is_compute:
+                compute += end - start
+            else:
+                comm += end - start
+        return {"loss": report["loss"], "comm_s": comm, "idle_s": max(0.0, wall - compute - comm)}
+
+    def finish(self) -> None:
+        pass
+
+
+def unsplit_view(modules: dict, layers: dict) -> torch.nn.Module:
+    """One module holding this rank's stage modules' layers under the unsplit model's names (layer a+i of a stage
+    that starts at layer a): what get_state_dict keys a checkpoint by, so it loads into any other plan."""
+    view = torch.nn.Module()
+    for stage, module in modules.items():
+        first = layers[stage][0]
+        for i, layer in enumerate(module):
+            view.add_module(str(first + i), layer)
+    return view
+
+
 class ReplicaRunner:
     """The asynchronous and periodic modes (local SGD, EASGD, SSP): each rank a whole model and its own
     optimizer; the synchroniser (engine/sync_modes.py) decides what crosses the network and when."""
@@ -280,6 +340,8 @@ def _runner(spec, me):
         return ShardedRunner(spec.model)
     if spec.kind == "replica":
         return ReplicaRunner(spec, me)
+    if spec.kind == "pipeline":
+        return PipelineRunner(spec)
     raise ValueError(f"no runner for {spec.kind!r}")
 
 
@@ -296,6 +358,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
+
+
+def sample_shape(data_fn: bytes) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of one input of the data set (a pipeline's message shapes follow from it)."""
+    x, _ = restore(data_fn)()[0]
+    return tuple(x.shape), x.dtype
 
 
 def setup(spec) -> dict:
@@ -319,14 +387,10 @@ def records(name: str, since: int) -> dict:
 
 
 def tensors(name: str) -> dict | None:
-    """The whole model's parameters and buffers under the unsplit keys, on the mesh's first rank (None elsewhere;
-    every rank takes part: sharded tensors are gathered)."""
+    """A replica's parameters and buffers (the asynchronous modes, after finish()), on the first replica; None
+    elsewhere. (Plans' models gather themselves: Sharded, Pipeline.)"""
     trainer = registry.get(KIND, name)
-    runner = trainer.runner
-    if isinstance(runner, ShardedRunner):
-        out = runner.sharded.tensors(grads=False)
-    else:
-        out = {k: v.detach().cpu().clone() for k, v in runner.model.state_dict().items()}
+    out = {k: v.detach().cpu().clone() for k, v in trainer.runner.model.state_dict().items()}
     return out if not any(trainer.me.coords.values()) else None
 
 

@@ -75,9 +75,11 @@ class Trainer:
         self.model = None
         kind, model_name, mesh, self.plan = self._build(model_fn, optimizer_fn, plan, grad_accum, sync)
         self.replicas = mesh.dim_size("dp")
-        if batch_size % (self.replicas * grad_accum):
+        parts = self.plan.microbatches if self.plan is not None else grad_accum
+        if batch_size % (self.replicas * parts):
             raise DistUsageError(f"batch_size {batch_size} must divide evenly over {self.replicas} replica(s) × "
-                                 f"{grad_accum} micro-batch(es) of gradient accumulation")
+                                 f"{parts} micro-batch(es)")
+        pipeline = self._pipeline_shapes(data_fn, batch_size, precision, eval_every) if kind == "pipeline" else {}
         self.mesh = mesh
         self.spec = TrainSpec(
             name=self.id, mesh=mesh.name, model=model_name, kind=kind, data=portable(data_fn),
@@ -87,7 +89,7 @@ class Trainer:
             sync_options=dict(sync_options or {}), optimizer=portable(optimizer_fn) if kind == "replica" else None,
             model_fn=portable(model_fn) if kind == "replica" else None, microbatches=grad_accum,
             checkpoint_dir=self.checkpoint_dir, checkpoint_every=checkpoint_every,
-            async_checkpoint=bool(async_checkpoint))
+            async_checkpoint=bool(async_checkpoint), pipeline=pipeline)
         if self.checkpoint_dir:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
         infos = self.cluster.run(on_ranks.setup, self.spec)
@@ -115,11 +117,22 @@ class Trainer:
         elif grad_accum != 1 and plan.microbatches != grad_accum:
             raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "
                                  "it in one place")
-        if plan.pp > 1:
-            raise DistUsageError("the Trainer runs plans with pp = 1 (data, tensor and ZeRO parallelism); a "
-                                 "pipeline trains step by step with plan.apply().step(...)")
         self.model = plan.apply(optimizer_fn)
-        return "sharded", self.model.id, self.model.mesh, plan
+        return ("pipeline" if plan.pp > 1 else "sharded"), self.model.id, self.model.mesh, plan
+
+    def _pipeline_shapes(self, data_fn, batch_size: int, precision: str, eval_every) -> dict:
+        """What a pipeline's ranks need beyond the plan: each stage's message shape for this batch (from one
+        sample of the data set, read on rank 0)."""
+        import torch
+
+        if precision != "fp32":
+            raise DistUsageError(f"precision={precision!r} with pp > 1 is not supported yet: the pipeline's messages "
+                                 "are float32 (use fp32, or a pp = 1 plan)")
+        if eval_every:
+            raise DistUsageError("eval_every with pp > 1 is not supported yet (evaluation needs a forward-only "
+                                 "schedule): use a pp = 1 plan")
+        shape, dtype = self.cluster.run(on_ranks.sample_shape, portable(data_fn), ranks=[0])[0]
+        return {"shapes": self.model._message_shapes(torch.empty((batch_size, *shape), dtype=dtype))}
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -197,6 +210,8 @@ class Trainer:
     def state_dict(self) -> dict:
         """The model's parameters and buffers gathered into the notebook under the unsplit model's keys (the
         asynchronous modes first bring the replicas to one model)."""
+        if self.model is not None:  # the plan's model (sharded or pipeline) gathers itself
+            return self.model.state_dict()
         self.cluster.run(on_ranks.finish, self.id)
         return next(t for t in self.cluster.run(on_ranks.tensors, self.id) if t is not None)
 
