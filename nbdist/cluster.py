@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import html
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -98,6 +99,7 @@ class Cluster:
         self.generation: int | None = None  # which start this is: objects made on older engines are stale
         self.meshes: dict[str, Mesh] = {}  # the meshes built on these engines, by name (Cluster.mesh)
         self._ended = False  # an engine died, which ended the MPI job: restart before use
+        self._reserved: tuple | None = None  # (thread, what): a background run owns the engines until it ends
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -175,7 +177,19 @@ class Cluster:
         if self._ended:
             raise DistUsageError("an engine died, which ended the MPI job: %dist_restart (or cluster.restart()) "
                                  "starts fresh engines")
+        if self._reserved is not None and threading.current_thread() is not self._reserved[0]:
+            raise DistUsageError(f"the cluster is busy: {self._reserved[1]} (wait() for it or stop() it first)")
         return self._launched
+
+    def reserve(self, thread, what: str) -> None:
+        """Only `thread` may use the engines until release(thread): a background run owns them."""
+        if self._reserved is not None:
+            raise DistUsageError(f"the cluster is busy: {self._reserved[1]}")
+        self._reserved = (thread, what)
+
+    def release(self, thread) -> None:
+        if self._reserved is not None and self._reserved[0] is thread:
+            self._reserved = None
 
     def _parse_ranks(self, ranks: Sequence[int] | str | None) -> list[int]:
         if ranks is None or ranks == "all":

@@ -140,6 +140,17 @@ def test_bf16_trains_close_to_fp32_and_evaluates(cluster):
         tr.close()
 
 
+def test_fp16_with_loss_scaling_trains_close_to_fp32(cluster):
+    tr = trainer(cluster, precision="fp16")
+    try:
+        tr.fit(steps=3)
+        fp32, got = serial(3), tr.state_dict()
+        assert max((got[k] - fp32[k]).abs().max().item() for k in fp32) < 5e-2
+        assert all(torch.isfinite(v).all() for v in got.values())
+    finally:
+        tr.close()
+
+
 def test_interrupted_and_resumed_ends_where_an_uninterrupted_run_does(cluster, tmp_path):
     whole = trainer(cluster, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     whole.fit(steps=6)
@@ -210,6 +221,23 @@ def test_missing_partial_and_corrupt_checkpoints_say_so_and_the_previous_one_loa
     previous.fit(steps=1)
     assert_same(previous.state_dict(), serial(2))
     previous.close()
+
+
+def test_a_background_fit_leaves_the_notebook_free_and_stops_at_a_boundary(cluster):
+    tr = trainer(cluster)
+    try:
+        run = tr.fit(steps=100_000, wait=False)
+        assert run.running
+        with pytest.raises(DistUsageError, match="the cluster is busy: .* is training in the background"):
+            cluster.run(lambda: 1)
+        time.sleep(0.5)  # the notebook's own work goes on meanwhile
+        history = run.stop()
+        assert not run.running and 0 < len(history) == tr.step < 100_000
+        assert cluster.run(lambda: 1) == [1, 1]
+        tr.fit(steps=2)
+        assert_same(tr.state_dict(), serial(tr.step))
+    finally:
+        tr.close()
 
 
 def test_a_straggler_makes_the_others_idle(cluster):
@@ -350,6 +378,8 @@ def test_kernel_interrupts_leave_the_cluster_usable_and_fit_goes_on(kernel):
         "batch_size=8)\n"
         "tr.fit(steps=2); print('ready', tr.step)", timeout=120)
     assert "ready 2" in setup.stdout, setup.shown
+    assert "rank 1: compute" in setup.stdout  # headless: the text summary
+    assert any("nbdist-figure" in d.get("text/html", "") for d in setup.displays)  # and the figure's static copy
     rng = random.Random(3)
     try:
         for trial in range(INTERRUPT_TRIALS):

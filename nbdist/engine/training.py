@@ -5,8 +5,9 @@ loop here pays neither. Each rank reads the global batch of step k from its own 
 (nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share.
 
 At every step boundary the ranks agree, in one small MPI all-reduce over the mesh, on the step's loss and on
-whether anyone was asked to stop (SIGUSR1, which the notebook's Trainer sends when the user presses stop): so all
-ranks stop after the same step, with model and optimizer intact, and `fit` continues from there. The time a rank
+whether anyone was asked to stop (SIGUSR1, which the notebook's Trainer sends when the user presses stop; the
+handler is installed once, when the trainer is set up): so all ranks stop after the same step, with model and
+optimizer intact, and `fit` continues from there. The time a rank
 waits in that all-reduce is its idle time (it finished before the slowest rank).
 
 Each step's record: loss, learning rate, wall time, and per rank compute / communication / idle seconds
@@ -135,7 +136,8 @@ class RankTrainer:
         import numpy as np
         from mpi4py import MPI
 
-        mine = np.array([float(self.stop_requested), loss or 0.0, 1.0 if loss is not None else 0.0])
+        asked = self.stop_requested or _STOP["asked"]
+        mine = np.array([float(asked), loss or 0.0, 1.0 if loss is not None else 0.0])
         total = np.zeros(3)
         started = time.perf_counter()
         request = self.boundary.Iallreduce(mine, total, op=MPI.SUM)
@@ -176,27 +178,28 @@ class RankTrainer:
 
         first = len(self.records)
         self.boundary = self.me.everyone.Dup()
-        self.stop_requested = False
+        self.stop_requested = False  # (a request that arrived before this call began still counts: _STOP)
         publish = telemetry.Publisher(self, publish_every, RECORDS_PUBLISHED)
         try:
-            with _stop_requests(self):
-                for _ in range(steps):
-                    record = self.train_step()
-                    if self._due(self.spec.eval_every):
-                        record["eval_loss"] = self.evaluate()
-                    checkpoint.settle(self, wait=False)
-                    if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
-                        record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
-                                                               self.spec.async_checkpoint)
-                        record["checkpoint_stall_s"] = self.last_save_stall_s
-                    publish(force=False)
-                    if self.stop_requested:
-                        break
+            for _ in range(steps):
+                record = self.train_step()
+                if self._due(self.spec.eval_every):
+                    record["eval_loss"] = self.evaluate()
+                checkpoint.settle(self, wait=False)
+                if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
+                    record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
+                                                           self.spec.async_checkpoint)
+                    record["checkpoint_stall_s"] = self.last_save_stall_s
+                publish(force=False)
+                if self.stop_requested:
+                    break
             checkpoint.settle(self, wait=True)
         finally:
             if self.boundary is not None:
                 self.boundary.Free()
             self.boundary = None
+            if self.stop_requested:
+                _STOP["asked"] = False  # answered: every rank stopped at this boundary
         publish(force=True)
         return {"rank": self.rank, "records": self.records[first:], "step": self.step,
                 "stopped": self.stop_requested}
@@ -238,17 +241,19 @@ def _sum_over(comm, value: float) -> float:
     return float(total[0])
 
 
-@contextlib.contextmanager
-def _stop_requests(trainer: RankTrainer):
-    """While the loop runs, STOP_SIGNAL asks it to stop at the next step boundary (every rank agrees there)."""
-    def ask(*_):
-        trainer.stop_requested = True
+_STOP = {"asked": False}  # set by STOP_SIGNAL, any time: also before this rank's fit call has begun
 
-    previous = signal.signal(STOP_SIGNAL, ask)
-    try:
-        yield
-    finally:
-        signal.signal(STOP_SIGNAL, previous)
+
+def _ask_to_stop(*_) -> None:
+    _STOP["asked"] = True
+
+
+def install_stop_handler() -> None:
+    """STOP_SIGNAL asks the running (or the next) fit to stop at a step boundary. Installed once, for good: the
+    notebook may send it just before a rank has begun its fit call, and the signal's default action would kill
+    the engine."""
+    if signal.getsignal(STOP_SIGNAL) is not _ask_to_stop:
+        signal.signal(STOP_SIGNAL, _ask_to_stop)
 
 
 # -- what the model is: a sharded model of the plan, or a replica with its synchroniser ----------------------------
@@ -367,6 +372,7 @@ def sample_shape(data_fn: bytes) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 def setup(spec) -> dict:
+    install_stop_handler()
     trainer = registry.put(KIND, spec.name, RankTrainer(spec))
     return {"rank": trainer.rank, "length": len(trainer.dataset)}
 

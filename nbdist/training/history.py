@@ -61,8 +61,9 @@ class History:
         rows = self.records
         if not rows:
             return "no steps trained yet"
+        rate, tokens = self.throughput(), rows[-1].get("tokens", 0) / rows[-1]["samples"]
         lines = [f"steps {rows[0]['step']}-{rows[-1]['step']}: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}; "
-                 f"{self.throughput():.1f} samples/s"]
+                 f"{rate:.1f} samples/s" + (f", {rate * tokens:,.0f} tokens/s" if tokens else "")]
         evals = [r for r in rows if "eval_loss" in r]
         if evals:
             lines.append(f"eval loss at step {evals[-1]['step']}: {evals[-1]['eval_loss']:.4f}")

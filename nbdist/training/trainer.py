@@ -141,14 +141,22 @@ class Trainer:
         """Steps done (also after a resume: the checkpoint's step)."""
         return self.history.step
 
-    def fit(self, steps: int | None = None, epochs: float | None = None) -> list[dict]:
+    def fit(self, steps: int | None = None, epochs: float | None = None, wait: bool = True):
         """Train `steps` more steps (or `epochs` passes over the data set); returns the whole history (one record
         per step). In a notebook a dashboard shows it live; the stop button stops every rank after the step it is
-        in (model and optimizer kept: call fit again to go on)."""
+        in (model and optimizer kept: call fit again to go on).
+
+        wait=False: training goes on in the background and the notebook stays free (the cluster itself is busy
+        until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
         steps = self._steps(steps, epochs)
         from nbdist.widgets.dashboard import Dashboard
 
         view = Dashboard.open(self, steps, always=self.live == "always") if self.live else None
+        if not wait:
+            return TrainingRun(self, steps, view)
+        return self._train(steps, view)
+
+    def _train(self, steps: int, view, background: bool = False) -> list[dict]:
         publish_every = on_ranks.PUBLISH_SECONDS if view is not None else None
         args = {rank: (self.id, steps, publish_every) for rank in range(self.cluster.world_size)}
         with _graceful_stop(self) as stop:
@@ -162,11 +170,21 @@ class Trainer:
             self.history.add(result["records"])
         self.stopped = any(r.get("stopped") for r in results) or stop.asked
         if view is not None:
-            view.close(self.history)
+            view.close(self.history, summary=not background)
         self._export()
-        if self.stopped:
+        if self.stopped and not background:
             print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
         return self.history.records
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the step it is in (what the stop button does while fit waits)."""
+        here = socket.gethostname()
+        for row in self.cluster._info:
+            if row["host"] == here:
+                try:
+                    os.kill(row["pid"], on_ranks.STOP_SIGNAL)
+                except ProcessLookupError:
+                    pass
 
     def _steps(self, steps, epochs) -> int:
         if (steps is None) == (epochs is None):
@@ -251,15 +269,53 @@ class _graceful_stop:
             signal.signal(signal.SIGINT, self.previous or signal.default_int_handler)
             raise KeyboardInterrupt
         self.asked = True
-        here = socket.gethostname()
-        for row in self.trainer.cluster._info:
-            if row["host"] == here:
-                try:
-                    os.kill(row["pid"], on_ranks.STOP_SIGNAL)
-                except ProcessLookupError:
-                    pass
+        self.trainer.request_stop()
         sys.stderr.write("stopping every rank at the next step boundary (press stop again to interrupt now)\n")
 
     def __exit__(self, *exc) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+
+
+class TrainingRun:
+    """A fit running in the background (Trainer.fit(wait=False)): the notebook stays free; the cluster refuses other
+    work until the run ends (`wait()` or `stop()` first)."""
+
+    def __init__(self, trainer: Trainer, steps: int, view):
+        import threading
+
+        self.trainer, self.error, self.history = trainer, None, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(steps, view), daemon=True,
+                                        name=f"nbdist-{trainer.id}")
+        trainer.cluster.reserve(self._thread, f"{trainer.id} is training in the background")
+        self._thread.start()
+
+    def _run(self, steps: int, view) -> None:
+        try:
+            self.history = self.trainer._train(steps, view, background=True)
+        except BaseException as e:  # noqa: BLE001 - given to whoever waits
+            self.error = e
+        finally:
+            self.trainer.cluster.release(self._thread)
+            self._done.set()
+
+    @property
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def stop(self) -> list[dict]:
+        """Stop every rank at the next step boundary; returns the history once they have."""
+        self.trainer.request_stop()
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        if not self._done.wait(timeout):
+            raise DistUsageError(f"the training run is still going after {timeout:g} s (stop() ends it)")
+        if self.error is not None:
+            raise self.error
+        return self.history
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else ("failed" if self.error else "done")
+        return f"<nbdist TrainingRun of {self.trainer.id}: {state}, step {self.trainer.step}>"

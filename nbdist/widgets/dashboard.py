@@ -61,20 +61,24 @@ class Dashboard(WithStaticCopy):
         self.bar.value = max(0, min(done, self.steps))
         rows = self.live.records
         if rows:
-            self.label.value = (f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; "
-                                f"{self.live.throughput(last=20):.1f} samples/s")
+            rate = self.live.throughput(last=20)
+            tokens = rows[-1].get("tokens", 0) / rows[-1]["samples"]
+            self.label.value = (f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; {rate:.1f} "
+                                f"samples/s" + (f" &nbsp; {rate * tokens:,.0f} tokens/s" if tokens else ""))
         self.plot.show(self.figure())
 
     def figure(self):
         return training_figure(self.live.records, self.telemetry, title=f"{self.trainer!r}"[1:-1])
 
-    def close(self, history) -> None:
-        """The run's end: draw the whole history, update the static copy, print the text summary."""
+    def close(self, history, summary: bool = True) -> None:
+        """The run's end: draw the whole history, update the static copy, print the text summary (not from a
+        background run: its print would land in whichever cell runs then)."""
         self.live.by_step = dict(history.by_step)
         self.live.step = history.step
         self._draw()
         self._update_static()
-        print(history.summary())
+        if summary:
+            print(history.summary())
 
     def static_html(self) -> str:
         return figure_html(self.figure(), loader=False)
