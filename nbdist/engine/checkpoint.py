@@ -122,7 +122,12 @@ def load(trainer, path: str) -> int:
     with open(os.path.join(path, "trainer.json")) as f:
         meta = json.load(f)
     state = _state(trainer)
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException with every
+        raise UnreadableCheckpoint(_cause(e)) from None  # rank's traceback in its text: keep the cause
     set_state_dict(trainer.runner.model, trainer.runner.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     rng = os.path.join(path, f"rank{trainer.rank}.rng")
@@ -131,6 +136,21 @@ def load(trainer, path: str) -> int:
     trainer.step = int(meta["step"])
     trainer.records = [r for r in trainer.records if r["step"] < trainer.step]
     return trainer.step
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A checkpoint's files could not be read (truncated, corrupt, from another model)."""
+
+
+def _cause(error: BaseException) -> str:
+    """The first failing rank's own error, without DCP's wrapping and traceback text."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))
+        if isinstance(error, tuple):  # (exception, traceback)
+            error = error[0]
+    text = " ".join(str(error).split())
+    return type(error).__name__ + (f": {text[:200]}" if text else " (a file of it ends early or is corrupt)")
 
 
 def _rng_state() -> dict:

@@ -40,5 +40,5 @@ def unreadable(path: str, error: BaseException) -> str:
     earlier = sorted(os.path.join(folder, n) for n in os.listdir(folder)
                      if complete(os.path.join(folder, n)) and os.path.join(folder, n) < path)
     hint = f"; the previous checkpoint {earlier[-1]} is untouched" if earlier else ""
-    cause = " ".join(str(error).split())[:300]
+    cause = " ".join(str(error).split()).split("; rank ")[0][:300]  # the first rank's word is enough
     return f"checkpoint {path} cannot be loaded ({cause}){hint}"
