@@ -304,6 +304,9 @@ def test_the_predicted_memory_of_every_rank_is_what_it_then_holds(cluster, plan)
             want = predicted[coords["pp"]]
             for kind in ("params", "grads", "optimizer", "activations"):
                 assert row[kind] == pytest.approx(getattr(want, kind), rel=0.10), (row["rank"], kind)
+        table = built.side_by_side()  # the same numbers, side by side, for either kind of model
+        assert [r["rank"] for r in table] == [0, 1] and all(r["step s measured"] > 0 for r in table)
+        assert all(r["params measured"] == m["params"] for r, m in zip(table, built.measured_memory()))
     finally:
         built.close()
 

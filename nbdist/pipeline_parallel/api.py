@@ -287,6 +287,20 @@ class Pipeline(GatheredModel):
             raise DistUsageError("no step measured memory yet: run step(..., memory=True)")
         return [{"rank": r["rank"], **r["memory"]} for r in sorted(results, key=lambda r: r["rank"])]
 
+    def step_seconds(self) -> float:
+        """The last step's time: first rank's start to last rank's end (the ranks share one host clock)."""
+        if not self.recent:
+            raise DistUsageError("no step measured yet: run step(...)")
+        return self.recent[-1].end - self.recent[-1].start
+
+    def side_by_side(self) -> list[dict]:
+        """Per rank, the plan's prediction beside the measurement (a pipeline built by nbdist.shard(...).apply())."""
+        plan = getattr(self, "plan", None)
+        if plan is None:
+            raise DistUsageError("this pipeline was not built from a plan: nbdist.shard(..., pp=N).apply() makes "
+                                 "one whose side_by_side() compares with the plan's prediction")
+        return plan.side_by_side(self)
+
     def widget(self):
         """A live view (measured Gantt, the ideal beneath, busy/idle, bubble); later steps update it as they run."""
         from nbdist.widgets.pipeline_view import PipelineView

@@ -227,6 +227,23 @@ class Plan:
             plan.overheads = self.overheads if same else None
         return plan
 
+    def side_by_side(self, model) -> list[dict]:
+        """Per rank, this plan's prediction beside what `model` (its apply(): Sharded or Pipeline) measured: bytes of
+        parameters, gradients, optimizer state and activations (from the last step run with memory=True), and the
+        step time (the last step's, against predicted_step() once the plan was profiled)."""
+        predicted = self.predicted_memory()
+        profiled = all(layer.forward_s is not None for layer in self.layers)
+        step = self.predicted_step().total_s if profiled else None
+        rows = []
+        for measured in model.measured_memory():
+            want = predicted[self.layout.coords(measured["rank"])["pp"]]
+            row = {"rank": measured["rank"]}
+            for kind in ("params", "grads", "optimizer", "activations"):
+                row[f"{kind} predicted"], row[f"{kind} measured"] = getattr(want, kind), measured[kind]
+            row["step s predicted"], row["step s measured"] = step, model.step_seconds()
+            rows.append(row)
+        return rows
+
     # -- building it ----------------------------------------------------------------------------------------------
 
     def apply(self, optimizer_fn: Callable | None = None):
@@ -236,9 +253,11 @@ class Plan:
             from nbdist.pipeline_parallel.api import pipeline
 
             mesh = self.cluster.mesh(pp=self.pp, dp=self.dp, tp=self.tp)
-            return pipeline(self.model_fn, schedule=self.schedule, microbatches=self.microbatches, chunks=self.chunks,
-                            mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
-                            balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans())
+            built = pipeline(self.model_fn, schedule=self.schedule, microbatches=self.microbatches,
+                             chunks=self.chunks, mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
+                             balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans())
+            built.plan = self  # side_by_side() compares against this plan
+            return built
         from nbdist.sharding.sharded import Sharded
 
         return Sharded(self, optimizer_fn)

@@ -71,22 +71,8 @@ class Sharded(GatheredModel):
         return [{"rank": r["rank"], **r["memory"]} for r in self.memory_results]
 
     def side_by_side(self) -> list[dict]:
-        """Per rank, the plan's prediction beside the measurement: bytes of parameters, gradients, optimizer state
-        and activations (from the last step run with memory=True), and the step time (the last step's, against
-        plan.predicted_step() when the plan was profiled)."""
-        mesh = self.plan.layout
-        predicted = self.plan.predicted_memory()
-        profiled = all(layer.forward_s is not None for layer in self.plan.layers)
-        step = self.plan.predicted_step().total_s if profiled else None
-        rows = []
-        for measured in self.measured_memory():
-            want = predicted[mesh.coords(measured["rank"])["pp"]]
-            row = {"rank": measured["rank"]}
-            for kind in ("params", "grads", "optimizer", "activations"):
-                row[f"{kind} predicted"], row[f"{kind} measured"] = getattr(want, kind), measured[kind]
-            row["step s predicted"], row["step s measured"] = step, self.step_seconds()
-            rows.append(row)
-        return rows
+        """Per rank, the plan's prediction beside the measurement (see Plan.side_by_side)."""
+        return self.plan.side_by_side(self)
 
     def _gather(self, grads: bool) -> dict:
         self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
