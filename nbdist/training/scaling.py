@@ -19,15 +19,18 @@ The cluster left running afterwards is the last one visited (the sweep says whic
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from nbdist.checks import is_whole, whole_number
-from nbdist.errors import DistUsageError
+from nbdist.errors import DistInterrupt, DistUsageError
 
 LAWS = {"strong": "amdahl", "weak": "gustafson"}
 GRID_POINTS = 4001  # the Amdahl fit scans this many candidate fractions before refining the best
@@ -123,10 +126,11 @@ class Measurement:
     engines: int
     batch_size: int  # the global batch of every step
     periods: tuple  # seconds, one per measured step
-    split: dict  # the typical step (medians over steps of the mean over ranks): compute_s, comm_s, idle_s, other_s
+    split: dict  # the typical step (medians over steps of the mean over ranks): compute_s, comm_s, idle_s, between_s
     losses: tuple
     device: str  # "cpu" or "cuda"
     threads: int  # torch threads per engine during the measurement
+    other_cores: float | None = None  # cores that other programs on this host kept busy meanwhile (see _OtherLoad)
 
     @property
     def steps(self) -> int:
@@ -147,7 +151,7 @@ class Measurement:
         periods = tuple(b - a for a, b in zip(starts, starts[1:] + [last_end]))
         split = {k: statistics.median(statistics.fmean(p[k] for p in row["ranks"].values()) for row in rows)
                  for k in ("compute_s", "comm_s", "idle_s")}
-        split["other_s"] = max(0.0, statistics.median(periods) - sum(split.values()))
+        split["between_s"] = max(0.0, statistics.median(periods) - sum(split.values()))
         return cls(engines=engines, batch_size=rows[0]["samples"], periods=periods, split=split,
                    losses=tuple(r["loss"] for r in rows), device=device, threads=threads)
 
@@ -201,6 +205,10 @@ class Scaling:
             shared = "  (engines share cores)" if _oversubscribed(m, cores) else ""
             lines.append(f"{m.engines:7d} {m.batch_size:6d} {m.samples_per_second:10.1f} {m.step_seconds:8.4f} "
                          f"{s:9.2f} {100 * e:9.0f}% {kf} {self.predicted(m.engines):13.2f}{shared}")
+        others = [m.other_cores for m in self.measurements]
+        if None not in others:
+            lines.append("other programs on this host kept " + ", ".join(f"{c:.1f}" for c in others) +
+                         f" core(s) busy while n = {', '.join(map(str, self.engines))} was measured")
         limit = f"; at most 1/f = {1 / f:.1f}x on any number of engines" if self.law == "amdahl" and f > 0 else ""
         lines.append(f"fitted serial fraction f = {f:.3f} ({self.law.capitalize()}, least squares on the speed-ups)"
                      f"{limit}")
@@ -218,7 +226,7 @@ class Scaling:
                 "curve": {"engines": xs, "speedup": [self.predicted(x) for x in xs],
                           "name": f"{name}, fitted f = {f:.3f}"},
                 "split": {k: [m.split[k] for m in self.measurements] for k in ("compute_s", "comm_s", "idle_s",
-                                                                             "other_s")}}
+                                                                             "between_s")}}
 
 
 def _oversubscribed(m: Measurement, cores: int | None) -> bool:
@@ -267,13 +275,14 @@ def sweep(model_fn: Callable, data_fn: Callable, loss_fn: Callable, optimizer_fn
     nbdist.start, `trainer_options` to nbdist.Trainer (e.g. precision)."""
     counts = _check_engines(engines)
     batches = _check_batches(counts, batch_size, per_rank)
+    options = _check_cluster_options(cluster_options or {})
     whole_number(steps, "steps")
     whole_number(warmup, "warmup", 0)
     if threads is not None:
         whole_number(threads, "threads")
     measured: dict[str, list[Measurement]] = {kind: [] for kind in batches}
-    for n in _visit_order(counts, dict(cluster_options or {})):
-        cluster = _cluster_with(n, dict(cluster_options or {}))
+    for n in _visit_order(counts, options):
+        cluster = _cluster_with(n, options)
         for kind, batch in batches.items():
             measured[kind].append(_measure(cluster, n, batch(n), (model_fn, data_fn, loss_fn, optimizer_fn),
                                            steps, warmup, threads, seed, dict(trainer_options or {})))
@@ -312,6 +321,16 @@ def _check_batches(counts: list[int], batch_size: int | None, per_rank: int | No
     return batches
 
 
+def _check_cluster_options(options: dict) -> dict:
+    from nbdist.options import ClusterOptions
+
+    unknown = sorted(set(options) - ClusterOptions.names())
+    if unknown:
+        raise DistUsageError(f"unknown cluster option(s) {', '.join(unknown)}: choose from "
+                             f"{', '.join(sorted(ClusterOptions.names()))}")
+    return {k: tuple(v) if k == "mpi_args" else v for k, v in options.items()}
+
+
 def _visit_order(counts: list[int], options: dict) -> list[int]:
     """The running cluster's size first when it can be kept (one start fewer), then the others smallest first."""
     running = _running()
@@ -338,35 +357,87 @@ def _same_options(cluster, n: int, options: dict) -> bool:
 
 def _cluster_with(n: int, options: dict):
     """The current cluster if it has n engines and the options asked for, else a fresh one (nbdist.start)."""
-    import nbdist
+    from nbdist.cluster import start
 
     running = _running()
     if running is not None and running.world_size == n and _same_options(running, n, options):
         return running
-    return nbdist.start(n, restart=True, **options)
+    return start(n, restart=True, **options)
 
 
 def _measure(cluster, n: int, batch: int, functions: tuple, steps: int, warmup: int, threads: int | None,
              seed: int, trainer_options: dict) -> Measurement:
-    """Warm-up steps, then `steps` measured ones, of a fresh data-parallel Trainer on `cluster`."""
+    """Warm-up steps, then `steps` measured ones, of a fresh data-parallel Trainer on `cluster`; the engines' torch
+    threads as they were afterwards (also when it fails, without hiding the failure)."""
     import torch
 
-    from nbdist.training.trainer import Trainer
-
     before = cluster.run(torch.get_num_threads)[0]
-    if threads is not None:
-        cluster.run(torch.set_num_threads, threads)
-    trainer = Trainer(*functions, plan=None, batch_size=batch, seed=seed, live=False, cluster=cluster,
-                      **trainer_options)
+    trainer = None
     try:
+        if threads is not None:
+            cluster.run(torch.set_num_threads, threads)
+        trainer = _trainer(cluster, functions, batch, seed, trainer_options)
         if warmup:
             trainer.fit(steps=warmup)
-        trainer.fit(steps=steps)
+        with _OtherLoad(cluster) as others:
+            trainer.fit(steps=steps)
         rows = trainer.history.records[warmup:]
         if len(rows) != steps:
-            raise DistUsageError(f"the run on {n} engine(s) stopped after {len(rows)} of {steps} measured steps")
+            raise DistInterrupt(f"the sweep stopped: the run on {n} engine(s) ended after {len(rows)} of {steps} "
+                                "measured steps")
         device = "cuda" if any(d.startswith("cuda") for d in cluster.devices) else "cpu"
-        return Measurement.from_history(rows, n, device, threads or before)
-    finally:
+        measurement = Measurement.from_history(rows, n, device, threads or before)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _tidy(cluster, trainer, before)
+        raise
+    _tidy(cluster, trainer, before)
+    return dataclasses.replace(measurement, other_cores=others.cores)
+
+
+def _trainer(cluster, functions: tuple, batch: int, seed: int, options: dict):
+    from nbdist.training.trainer import Trainer
+
+    return Trainer(*functions, plan=None, batch_size=batch, seed=seed, live=False, cluster=cluster, **options)
+
+
+def _tidy(cluster, trainer, threads: int) -> None:
+    import torch
+
+    if trainer is not None:
         trainer.close()
-        cluster.run(torch.set_num_threads, before)
+    cluster.run(torch.set_num_threads, threads)
+
+
+class _OtherLoad:
+    """How many of this host's cores programs other than this kernel and the cluster kept busy while measuring:
+    a busy machine slows some engine counts more than others (n engines need n free cores), which no fit can
+    tell apart from poor scaling. The host's busy CPU time (psutil) minus what our own processes used."""
+
+    def __init__(self, cluster):
+        import psutil
+
+        self.ours = [psutil.Process()] + cluster.processes()
+        self.cores: float | None = None
+
+    def __enter__(self) -> _OtherLoad:
+        self.started = self._sample()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        (t0, busy0, own0), (t1, busy1, own1) = self.started, self._sample()
+        self.cores = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)) if t1 > t0 else None
+
+    def _sample(self) -> tuple[float, float, float]:
+        import psutil
+
+        t = psutil.cpu_times()
+        not_busy = t.idle + getattr(t, "iowait", 0.0) + getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
+        own = 0.0
+        for process in self.ours:
+            try:
+                times = process.cpu_times()
+                own += times.user + times.system
+            except psutil.Error:
+                pass
+        return time.monotonic(), sum(t) - not_busy, own

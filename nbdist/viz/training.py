@@ -29,8 +29,8 @@ def training_figure(records: Sequence[Mapping], telemetry: Mapping[int, Mapping]
                              name="samples/s", mode="lines", line={"color": "#54A24B"}, showlegend=False), 1, 2)
     _split_bars(fig, records[-RECENT_STEPS:])
     _utilisation(fig, telemetry or {})
-    fig.update_layout(title=title, height=560, barmode="stack", margin={"l": 60, "r": 60, "t": 70, "b": 40},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "x": 0})
+    fig.update_layout(title=title, height=600, barmode="stack", margin={"l": 60, "r": 60, "t": 70, "b": 90},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.1, "x": 0})
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_yaxes(title_text="seconds", row=2, col=1)
