@@ -284,10 +284,12 @@ def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
     ({"clip": -1}, "clip must be a positive number"),
 ])
 def test_bad_settings_are_refused_in_one_line(cluster, options, says):
+    from nbdist.engine import registry
+
     with pytest.raises(DistUsageError, match=says) as raised:
         trainer(cluster, **options)
     assert "\n" not in str(raised.value)
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert cluster.run(registry.names, "sharded") == [[], []]  # refused before anything was built
 
 
 def test_fit_needs_steps_or_epochs(cluster):
@@ -311,9 +313,12 @@ def test_a_failing_data_fn_names_the_rank_and_the_cluster_stays_usable(cluster):
 
         return data.text_dataset(seq=16, max_bytes=1 << 15)
 
+    from nbdist.engine import registry
+
     with pytest.raises(DistError, match="rank 1 raised FileNotFoundError: no data here"):
         nbdist.Trainer(model_fn, failing, models.lm_loss, adam, batch_size=BATCH, live=False, cluster=cluster)
     assert cluster.run(lambda: 2) == [2, 2]
+    assert cluster.run(registry.names, "sharded") == [[], []]  # the plan's model was freed with it
 
 
 # -- faults: killed engines, interrupts ------------------------------------------------------------------------------

@@ -71,34 +71,43 @@ class Trainer:
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
         self.live, self.tensorboard, self.trace = live, tensorboard, trace
         self.id = f"train{next(_numbers)}"
-        self.cluster.run(on_ranks.seed_everything, seed)
-        self.model = None
-        kind, model_name, mesh, self.plan = self._build(model_fn, optimizer_fn, plan, grad_accum, sync)
-        self.replicas = mesh.dim_size("dp")
+        self.plan = self._plan(model_fn, plan, grad_accum, sync)
+        self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else grad_accum
         if batch_size % (self.replicas * parts):
             raise DistUsageError(f"batch_size {batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
-        pipeline = self._pipeline_shapes(data_fn, batch_size, precision, eval_every) if kind == "pipeline" else {}
-        self.mesh = mesh
-        self.spec = TrainSpec(
-            name=self.id, mesh=mesh.name, model=model_name, kind=kind, data=portable(data_fn),
-            loss=portable(loss_fn), batch_size=batch_size, seed=seed, replicas=self.replicas, precision=precision,
-            clip=clip, lr_schedule=portable(lr_schedule), eval_data=portable(eval_data_fn), eval_every=eval_every,
-            eval_batches=whole_number(eval_batches, "eval_batches"), straggler=dict(straggler or {}), sync=sync,
-            sync_options=dict(sync_options or {}), optimizer=portable(optimizer_fn) if kind == "replica" else None,
-            model_fn=portable(model_fn) if kind == "replica" else None, microbatches=grad_accum,
-            checkpoint_dir=self.checkpoint_dir, checkpoint_every=checkpoint_every,
-            async_checkpoint=bool(async_checkpoint), pipeline=pipeline)
-        if self.checkpoint_dir:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
-        infos = self.cluster.run(on_ranks.setup, self.spec)
+        kind = "replica" if self.plan is None else ("pipeline" if self.plan.pp > 1 else "sharded")
+        if kind == "pipeline":
+            _refuse_for_pipelines(precision, eval_every)
+        self.cluster.run(on_ranks.seed_everything, seed)
+        self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
+        try:
+            self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
+            pipeline = {"shapes": self._pipeline_shapes(data_fn, batch_size)} if kind == "pipeline" else {}
+            self.spec = TrainSpec(
+                name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None, kind=kind,
+                data=portable(data_fn), loss=portable(loss_fn), batch_size=batch_size, seed=seed,
+                replicas=self.replicas, precision=precision, clip=clip, lr_schedule=portable(lr_schedule),
+                eval_data=portable(eval_data_fn), eval_every=eval_every,
+                eval_batches=whole_number(eval_batches, "eval_batches"), straggler=dict(straggler or {}),
+                sync=sync, sync_options=dict(sync_options or {}),
+                optimizer=portable(optimizer_fn) if kind == "replica" else None,
+                model_fn=portable(model_fn) if kind == "replica" else None, microbatches=grad_accum,
+                checkpoint_dir=self.checkpoint_dir, checkpoint_every=checkpoint_every,
+                async_checkpoint=bool(async_checkpoint), pipeline=pipeline)
+            if self.checkpoint_dir:
+                os.makedirs(self.checkpoint_dir, exist_ok=True)
+            infos = self.cluster.run(on_ranks.setup, self.spec)
+        except BaseException:
+            self._close_model()  # the plan's model was built on the ranks: free it with the failed trainer
+            raise
         self.dataset_length = infos[0]["length"]
         self.history = History()
         self.stopped = False
 
-    def _build(self, model_fn, optimizer_fn, plan, grad_accum: int, sync: str):
-        """(kind, the model's name on the ranks, the mesh, the Plan) for this run."""
+    def _plan(self, model_fn, plan, grad_accum: int, sync: str):
+        """The Plan of this run (checked in the kernel; nothing built yet), or None for the asynchronous modes."""
         from nbdist.sharding.plan import Plan, shard
 
         world = self.cluster.world_size
@@ -106,33 +115,25 @@ class Trainer:
             if plan is not None and not (isinstance(plan, dict) and set(plan) <= {"dp"}):
                 raise DistUsageError(f"sync={sync!r} trains whole replicas: give plan=None (or {{'dp': {world}}}), "
                                      "not tensor, pipeline or ZeRO sharding")
-            return "replica", None, self.cluster.mesh(dp=world), None
+            return None
         if plan is None:
-            plan = shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster)
-        elif isinstance(plan, dict):
-            plan = shard(model_fn, **{"microbatches": grad_accum, **plan}, cluster=self.cluster)
-        elif not isinstance(plan, Plan):
+            return shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster)
+        if isinstance(plan, dict):
+            return shard(model_fn, **{"microbatches": grad_accum, **plan}, cluster=self.cluster)
+        if not isinstance(plan, Plan):
             raise DistUsageError(f"plan must be None, a dict of nbdist.shard's choices or a Plan, got "
                                  f"{type(plan).__name__}")
-        elif grad_accum != 1 and plan.microbatches != grad_accum:
+        if grad_accum != 1 and plan.microbatches != grad_accum:
             raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "
                                  "it in one place")
-        self.model = plan.apply(optimizer_fn)
-        return ("pipeline" if plan.pp > 1 else "sharded"), self.model.id, self.model.mesh, plan
+        return plan
 
-    def _pipeline_shapes(self, data_fn, batch_size: int, precision: str, eval_every) -> dict:
-        """What a pipeline's ranks need beyond the plan: each stage's message shape for this batch (from one
-        sample of the data set, read on rank 0)."""
+    def _pipeline_shapes(self, data_fn, batch_size: int) -> dict:
+        """Each pipeline stage's message shape for this batch, from one sample of the data set (read on rank 0)."""
         import torch
 
-        if precision != "fp32":
-            raise DistUsageError(f"precision={precision!r} with pp > 1 is not supported yet: the pipeline's messages "
-                                 "are float32 (use fp32, or a pp = 1 plan)")
-        if eval_every:
-            raise DistUsageError("eval_every with pp > 1 is not supported yet (evaluation needs a forward-only "
-                                 "schedule): use a pp = 1 plan")
         shape, dtype = self.cluster.run(on_ranks.sample_shape, portable(data_fn), ranks=[0])[0]
-        return {"shapes": self.model._message_shapes(torch.empty((batch_size, *shape), dtype=dtype))}
+        return self.model._message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -234,10 +235,17 @@ class Trainer:
         return next(t for t in self.cluster.run(on_ranks.tensors, self.id) if t is not None)
 
     def close(self) -> None:
+        """Free what the trainer holds on the ranks (model, optimizer, data set)."""
         if self.cluster.running:
             self.cluster.run(on_ranks.close, self.id)
-            if self.model is not None:
+            self._close_model()
+
+    def _close_model(self) -> None:
+        if self.model is not None and self.cluster.running:
+            try:
                 self.model.close()
+            except DistUsageError:  # the engines are gone (a dead rank): nothing is left to free
+                pass
 
     def __repr__(self) -> str:
         what = self.plan.describe() if self.plan is not None else f"{self.spec.sync} over {self.replicas} replicas"
@@ -248,6 +256,15 @@ def _check_functions(**functions) -> None:
     for label, fn in functions.items():
         if not callable(fn):
             raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
+
+
+def _refuse_for_pipelines(precision: str, eval_every) -> None:
+    if precision != "fp32":
+        raise DistUsageError(f"precision={precision!r} with pp > 1 is not supported yet: the pipeline's messages are "
+                             "float32 (use fp32, or a pp = 1 plan)")
+    if eval_every:
+        raise DistUsageError("eval_every with pp > 1 is not supported yet (evaluation needs a forward-only "
+                             "schedule): use a pp = 1 plan")
 
 
 class _graceful_stop:
