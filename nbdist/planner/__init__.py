@@ -1,0 +1,24 @@
+"""Plan training at cluster scale: a GPT-style model on thousands of GPUs, every term of its step visible.
+
+    from nbdist import planner
+    model = planner.gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    hw = planner.hardware("a100-80gb")        # "a100-40gb", "h100-sxm", "h200", "local" (this machine, measured)
+    p = planner.predict(model, hw, gpus=1536, tp=8, pp=8, global_batch=2304, recompute="full")
+    p.step_seconds, p.tflops_per_gpu, p.mfu, p.tokens_per_second, p.memory_per_gpu, p.fits, p.breakdown
+    planner.search(model, hw, gpus=1536, global_batch=2304)     # the plans that fit, best first
+
+Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs, activation bytes), layout.py (a plan's
+shape, checked; which links its groups span), memory.py (bytes per GPU), pipeline.py (nbdist's schedule simulator
+for the bubble), step.py (every term of the step's time), prediction.py (predict, Prediction), frontier.py (search,
+the frontier), published.py (published runs the planner is checked against), local.py ("local": this machine's
+CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the engines.
+"""
+from nbdist.planner.catalog import hardware
+from nbdist.planner.profiles import PROFILES, Hardware, Link
+from nbdist.planner.layout import Shape, shape
+from nbdist.planner.model import GPT, gpt
+from nbdist.planner.frontier import SearchResult, search
+from nbdist.planner.prediction import Prediction, predict
+
+__all__ = ["GPT", "PROFILES", "Hardware", "Link", "Prediction", "SearchResult", "Shape", "gpt", "hardware", "predict",
+           "search", "shape"]

@@ -1,0 +1,100 @@
+"""The "local" hardware profile: this machine's CPU engines, measured rather than read from a datasheet.
+
+What a user expects from `planner.hardware("local")`: the planner pointed at the engines they can start here, so
+its predictions can be set beside a measured step. So:
+- `hardware("local", cluster=c)` measures now, on the running cluster `c` (every engine busy at once, as in a
+  step): a matmul probe (a Linear layer's forward and backward on every engine: its FLOP/s is the profile's
+  "peak", with matmul efficiency 1), a streaming probe (a ReLU's forward and backward: bytes per second, memory
+  efficiency 1), and the α-β fit of a 2-rank all-reduce through torch.distributed
+  (nbdist.collectives.benchmark(...).fit(), costmodel.fit_alpha_beta): the link between engines. A few seconds.
+- `hardware("local")` without a cluster returns STORED: the same measurements taken on this machine (2 CPU
+  cores, 2 engines) with `hardware("local", cluster=nbdist.start(2))`, kept so the planner can be shown without
+  starting engines. Another machine should measure its own.
+
+One "accelerator" is one engine; all engines are on one host (gpus_per_host = the cluster's size), so every
+group's link is the measured one. Its memory is the host's RAM shared by the engines. The dtype is fp32: CPU
+engines train in fp32, so the model states take 4 + 4 + 8 bytes per parameter (memory.py).
+
+The probe's functions run on the engines by reference (nbdist.sharding.predict.time_layers, which times a
+layer's forward and backward where it runs); torch is imported here only when measuring.
+"""
+from __future__ import annotations
+
+import os
+
+from nbdist.planner.profiles import GiB, Hardware, Link
+
+PROBE_FEATURES = 512  # the matmul probe: (tokens × 512) @ (512 × 512), forward and backward
+PROBE_TOKENS = 2048
+STREAM_ELEMENTS = 2**22  # the streaming probe: ReLU over 4 M floats (16 MiB)
+ALLREDUCE_SIZES = tuple(4**k for k in range(6, 13))  # 4 KiB ... 16 MiB
+
+# hardware("local", cluster=nbdist.start(2)) on this machine (2 cores, 2 engines, MPICH shared memory) with other work
+# running beside it. The figures move with that load: measured twice more at a load average near 5 they were
+# 39 and 32 GFLOP/s, 2.1 and 1.7 GB/s streaming, 1.26 and 1.46 GB/s between engines.
+STORED = {"matmul_flops": 1.325e11, "stream_bandwidth": 6.65e9, "alpha": 6.19e-6, "bandwidth": 5.15e9, "engines": 2}
+
+
+def stored() -> Hardware:
+    """The profile from the measurements kept in STORED (see the module docstring)."""
+    return _profile(STORED, "stored in nbdist/planner/local.py")
+
+
+def measure(cluster) -> Hardware:
+    """Measure the profile on `cluster`'s engines now (see the module docstring)."""
+    from nbdist import collectives
+
+    matmul = _matmul_flops(cluster)
+    stream = _stream_bandwidth(cluster)
+    fit = collectives.benchmark(ops="all_reduce", via="torch", sizes=list(ALLREDUCE_SIZES), cluster=cluster,
+                                ranks=2).fit("all_reduce", "torch")
+    # a 2-rank ring all-reduce is 2 messages of S/2: 2α + S·β, so one message costs α/2 and the link's bandwidth
+    # (S/2 per message in half the time) is 1/β
+    measured = {"matmul_flops": matmul, "stream_bandwidth": stream, "alpha": fit.alpha / 2,
+                "bandwidth": 1 / fit.beta, "engines": cluster.world_size}
+    return _profile(measured, f"measured on {cluster.world_size} engines")
+
+
+def _profile(m: dict, how: str) -> Hardware:
+    link = Link("engines on this host (measured all-reduce)", m["bandwidth"], m["alpha"])
+    engines = int(m["engines"])
+    ram = _ram_bytes()
+    return Hardware("local", {"fp32": m["matmul_flops"]}, ram / engines, m["stream_bandwidth"], 1.0, link, link,
+                    engines, memory_efficiency=1.0, reserved_bytes=0.5 * GiB, dtype="fp32",
+                    notes=f"this machine's CPU engines, {how}", measured=dict(m))
+
+
+def _ram_bytes() -> float:
+    """The host's physical memory."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _slowest(cluster, layer, inputs) -> float:
+    """Seconds per row of `inputs` for forward + backward of `layer`, on every engine at once: the slowest."""
+    from torch import nn
+
+    from nbdist.sharding.predict import time_layers
+
+    times = cluster.run(time_layers, nn.Sequential(layer), inputs, 5)
+    return max(forward + backward for (forward, backward), in times)
+
+
+def _matmul_flops(cluster) -> float:
+    """FLOP/s of a Linear's forward (2·k·n per row) and backward (4·k·n per row)."""
+    import torch
+    from torch import nn
+
+    k = PROBE_FEATURES
+    seconds_per_row = _slowest(cluster, nn.Linear(k, k, bias=False), torch.randn(PROBE_TOKENS, k))
+    return 6 * k * k / seconds_per_row
+
+
+def _stream_bandwidth(cluster) -> float:
+    """Bytes/s of a ReLU: forward reads and writes each float (8 bytes), backward reads the gradient and the
+    input and writes the input's gradient (12 bytes)."""
+    import torch
+    from torch import nn
+
+    rows = 64
+    seconds_per_row = _slowest(cluster, nn.ReLU(), torch.randn(rows, STREAM_ELEMENTS // rows))
+    return 20 * (STREAM_ELEMENTS // rows) / seconds_per_row

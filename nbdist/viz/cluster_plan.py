@@ -1,0 +1,113 @@
+"""Pictures of a plan at cluster scale, drawn from plain data (dicts and lists of numbers): the bytes per GPU by
+part against the accelerator's memory, the step's time by term, the frontier of a plan search, and predicted
+against published runs. The numbers come from nbdist/planner; nothing is computed here but positions.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import plotly.graph_objects as go
+
+from nbdist.units import format_bytes
+
+MEMORY_COLOURS = {"weights": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "gathered layers": "#72B7B2",
+                  "activations": "#B279A2",
+                  "logits": "#E45756", "reserved": "#BAB0AC"}
+TIME_COLOURS = ("#4C78A8", "#72B7B2", "#54A24B", "#F58518", "#E45756", "#FF9DA6", "#B279A2", "#9D755D", "#EECA3B",
+                "#BAB0AC", "#79706E")
+
+
+def memory_bar_figure(memory: Mapping[str, float], capacity: float, title: str | None = None) -> go.Figure:
+    """One horizontal bar of bytes per GPU, a segment per part, and the accelerator's memory as a line."""
+    total = sum(memory.values())
+    traces = [go.Bar(name=part, y=["per GPU"], x=[value], orientation="h",
+                     marker={"color": MEMORY_COLOURS.get(part, "#999999")},
+                     hovertext=[f"{part}: {format_bytes(value)}"], hoverinfo="text")
+              for part, value in memory.items() if value > 0]
+    fig = go.Figure(traces)
+    fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
+                  annotation_text=f"memory {format_bytes(capacity)}", annotation_position="top")
+    fig.update_layout(
+        title=title or f"memory per GPU: {format_bytes(total)} of {format_bytes(capacity)}", barmode="stack",
+        height=230, margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend={"orientation": "h", "y": -0.35},
+        xaxis={"title": "bytes", "tickformat": "~s", "range": [0, max(total, capacity) * 1.05]})
+    return fig
+
+
+def time_breakdown_figure(time: Mapping[str, float], title: str | None = None) -> go.Figure:
+    """One horizontal bar of the step's seconds, a segment per term (terms of zero left out)."""
+    total = sum(time.values())
+    terms = [(name, value) for name, value in time.items() if value > 1e-12]
+    traces = [go.Bar(name=name, y=["step"], x=[value], orientation="h",
+                     marker={"color": TIME_COLOURS[i % len(TIME_COLOURS)]},
+                     hovertext=[f"{name}: {value:.4g} s ({value / total:.1%})"], hoverinfo="text")
+              for i, (name, value) in enumerate(terms)]
+    fig = go.Figure(traces)
+    fig.update_layout(title=title or f"step time: {total:.4g} s", barmode="stack", height=230,
+                      margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend={"orientation": "h", "y": -0.35},
+                      xaxis={"title": "seconds per step"})
+    return fig
+
+
+def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | None = None,
+                    title: str | None = None) -> go.Figure:
+    """Every candidate plan as a point (bytes per GPU, tokens/s; 'plan', 'fits' in the hover), the frontier (no
+    plan uses less memory and runs faster) as a line, the memory limit, and the best plan marked."""
+    fig = go.Figure()
+    for fits, colour, name in ((True, "#4C78A8", "fits"), (False, "#BAB0AC", "does not fit")):
+        chosen = [p for p in points if bool(p["fits"]) == fits]
+        fig.add_trace(go.Scattergl(x=[p["memory"] for p in chosen], y=[p["tokens_per_second"] for p in chosen],
+                                   mode="markers", name=name, marker={"color": colour, "size": 5},
+                                   hovertext=[f"{p['plan']}<br>{format_bytes(p['memory'])}, "
+                                              f"{p['tokens_per_second']:,.0f} tokens/s" for p in chosen],
+                                   hoverinfo="text"))
+    line = pareto(points)
+    fig.add_trace(go.Scatter(x=[p["memory"] for p in line], y=[p["tokens_per_second"] for p in line],
+                             mode="lines", name="frontier", line={"color": "#54A24B", "shape": "hv"}))
+    if best is not None:
+        fig.add_trace(go.Scatter(x=[best["memory"]], y=[best["tokens_per_second"]], mode="markers", name="best",
+                                 marker={"color": "#E45756", "size": 14, "symbol": "star"},
+                                 hovertext=[best["plan"]], hoverinfo="text"))
+    fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
+                  annotation_text=f"memory {format_bytes(capacity)}")
+    fig.update_layout(title=title or "plans: memory per GPU against throughput", height=420,
+                      xaxis={"title": "bytes per GPU (log)", "type": "log", "tickformat": "~s"},
+                      yaxis={"title": "tokens per second", "rangemode": "tozero"},
+                      margin={"l": 70, "r": 20, "t": 60, "b": 50})
+    return fig
+
+
+def pareto(points: Sequence[Mapping]) -> list[Mapping]:
+    """The plans no other plan beats on both memory (less) and throughput (more), by increasing memory."""
+    line, fastest = [], float("-inf")
+    for p in sorted(points, key=lambda p: (p["memory"], -p["tokens_per_second"])):
+        if p["tokens_per_second"] > fastest:
+            line.append(p)
+            fastest = p["tokens_per_second"]
+    return line
+
+
+def validation_figure(rows: Sequence[Mapping], tolerance: float = 0.15, title: str | None = None) -> go.Figure:
+    """Predicted against published TFLOP/s per GPU, one point per run ('run', 'source', 'predicted',
+    'published'), the line where they agree and the ±tolerance band."""
+    low = min(min(r["predicted"], r["published"]) for r in rows) * 0.8
+    high = max(max(r["predicted"], r["published"]) for r in rows) * 1.1
+    fig = go.Figure()
+    for sign in (1 + tolerance, 1 - tolerance):
+        fig.add_trace(go.Scatter(x=[low, high], y=[low * sign, high * sign], mode="lines", showlegend=False,
+                                 line={"color": "#BAB0AC", "dash": "dot"}, hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", name="predicted = published",
+                             line={"color": "#79706E"}))
+    for source in dict.fromkeys(r["source"] for r in rows):
+        chosen = [r for r in rows if r["source"] == source]
+        fig.add_trace(go.Scatter(x=[r["published"] for r in chosen], y=[r["predicted"] for r in chosen],
+                                 mode="markers+text", name=source, text=[r["run"] for r in chosen],
+                                 textposition="middle right", textfont={"size": 9},
+                                 hovertext=[f"{r['run']}: predicted {r['predicted']:.0f}, published "
+                                            f"{r['published']:.0f} ({r['predicted'] / r['published'] - 1:+.0%})"
+                                            for r in chosen], hoverinfo="text"))
+    fig.update_layout(title=title or f"TFLOP/s per GPU: predicted against published (dotted: ±{tolerance:.0%})",
+                      height=480, xaxis={"title": "published TFLOP/s per GPU", "range": [low, high]},
+                      yaxis={"title": "predicted TFLOP/s per GPU", "range": [low, high]},
+                      legend={"orientation": "h", "y": -0.2}, margin={"l": 70, "r": 20, "t": 60, "b": 60})
+    return fig
