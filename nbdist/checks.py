@@ -34,3 +34,11 @@ def one_of(value: Any, choices: tuple[str, ...] | list[str], what: str) -> str:
     if value not in choices:
         raise DistUsageError(f"unknown {what} {value!r}: choose {', '.join(map(str, choices))}")
     return value
+
+
+def known_options(given, known, what: str) -> None:
+    """One line naming the options `what` does not take (and the ones it does)."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = ", ".join(repr(k) for k in known) or "no options"
+        raise DistUsageError(f"{what} takes {takes}; got {', '.join(repr(u) for u in unknown)}")

@@ -267,7 +267,7 @@ def test_bad_input_is_refused(cluster):
         "ratio must be in (0, 1], got 1.5",
         "ratio must be in (0, 1], got -0.1",
         "ratio must be in (0, 1], got '0.1'",
-        "hook 'mpi' takes no options; got ratio",
+        "hook 'mpi' takes no options; got 'ratio'",
         "PowerSGD rank must be at least 1, got 0",
         "needs a DistributedDataParallel model, got Sequential",
         "ratio must be in (0, 1], got 2.0",

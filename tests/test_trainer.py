@@ -52,11 +52,17 @@ def warm_then_decay(step):
     return min(1.0, (step + 1) / 3) * 0.9 ** step
 
 
-def serial(steps: int, grad_accum: int = 1, clip: float | None = None, lr_schedule=None) -> dict:
+def sgd(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def serial(steps: int, grad_accum: int = 1, clip: float | None = None, lr_schedule=None, make=adam) -> dict:
     """One process, the whole model and global batch, `steps` steps (what every plan must reproduce)."""
     seed_everything(0)
     model, dataset = model_fn(), data_fn()
-    optimizer = adam(model.parameters())
+    optimizer = make(model.parameters())
     base = optimizer.param_groups[0]["lr"]
     for k in range(steps):
         if lr_schedule is not None:
@@ -71,9 +77,9 @@ def serial(steps: int, grad_accum: int = 1, clip: float | None = None, lr_schedu
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def trainer(cluster, **options) -> nbdist.Trainer:
+def trainer(cluster, optimizer=adam, **options) -> nbdist.Trainer:
     options = {"batch_size": BATCH, "live": False, **options}
-    return nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=cluster, **options)
+    return nbdist.Trainer(model_fn, data_fn, models.lm_loss, optimizer, cluster=cluster, **options)
 
 
 def assert_same(got: dict, expected: dict, atol: float = ATOL) -> None:
@@ -240,6 +246,41 @@ def test_a_background_fit_leaves_the_notebook_free_and_stops_at_a_boundary(clust
         tr.close()
 
 
+def test_ssp_without_staleness_trains_like_one_process_under_the_trainer(cluster):
+    tr = trainer(cluster, sgd, sync="ssp", sync_options={"staleness": 0})
+    try:
+        history = tr.fit(steps=4)
+        assert all(r["loss"] > 0 for r in history)
+        assert_same(tr.state_dict(), serial(4, make=sgd))
+    finally:
+        tr.close()
+
+
+def test_ssp_lets_the_fast_rank_run_ahead_of_a_straggler_within_its_bound(cluster):
+    tr = trainer(cluster, sgd, sync="ssp", sync_options={"staleness": 2}, straggler={1: 0.03})
+    try:
+        history = tr.fit(steps=12)
+        seen = [s for r in history for s in r.get("staleness", {}).get(0, [])]
+        assert seen and max(seen) <= 2 and max(seen) > 0, seen
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize("sync, options", [("local-sgd", {"period": 2}), ("easgd", {"tau": 2}),
+                                           ("ssp", {"staleness": 1})])
+def test_replica_modes_resume_exactly(cluster, tmp_path, sync, options):
+    whole = trainer(cluster, sgd, sync=sync, sync_options=options, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    whole.fit(steps=6)
+    expected = whole.state_dict()
+    whole.close()
+    resumed = trainer(cluster, sgd, sync=sync, sync_options=options).resume(str(tmp_path / "step_00000003"))
+    try:
+        resumed.fit(steps=3)
+        assert_same(resumed.state_dict(), expected, atol=1e-6)
+    finally:
+        resumed.close()
+
+
 def test_a_straggler_makes_the_others_idle(cluster):
     tr = trainer(cluster, straggler={1: 0.05})
     try:
@@ -282,6 +323,7 @@ def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
     ({"plan": {"dp": 3}}, "the product must be the world size"),
     ({"sync": "local-sgd", "plan": {"tp": 2}}, "trains whole replicas"),
     ({"clip": -1}, "clip must be a positive number"),
+    ({"sync": "easgd", "clip": 1.0}, "does not clip or scale losses yet"),
 ])
 def test_bad_settings_are_refused_in_one_line(cluster, options, says):
     from nbdist.engine import registry

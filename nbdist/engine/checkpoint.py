@@ -55,7 +55,6 @@ def save(trainer, directory: str, asynchronous: bool = False) -> str:
 
     settle(trainer, wait=True)  # one save in flight at a time
     started = time.perf_counter()
-    trainer.runner.finish()  # asynchronous modes: one model first
     final = folder(directory, trainer.step)
     partial = final + PARTIAL
     if trainer.rank == 0:
@@ -63,6 +62,7 @@ def save(trainer, directory: str, asynchronous: bool = False) -> str:
         os.makedirs(partial)
     _barrier(trainer)
     torch.save(_rng_state(), os.path.join(partial, f"rank{trainer.rank}.rng"))
+    _save_replica(trainer, partial)
     meta = {"step": trainer.step, "seed": trainer.spec.seed, "world_size": trainer.me.mesh.size,
             "mesh": dict(trainer.me.mesh.dims), "batch_size": trainer.spec.batch_size, "sync": trainer.spec.sync}
     if asynchronous:
@@ -130,12 +130,42 @@ def load(trainer, path: str) -> int:
         raise UnreadableCheckpoint(_cause(e)) from None  # rank's traceback in its text: keep the cause
     set_state_dict(trainer.runner.model, trainer.runner.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
+    same_world = meta["world_size"] == trainer.me.mesh.size
     rng = os.path.join(path, f"rank{trainer.rank}.rng")
-    if meta["world_size"] == trainer.me.mesh.size and os.path.exists(rng):
+    if same_world and os.path.exists(rng):
         _set_rng_state(torch.load(rng, weights_only=False))
+    if same_world:
+        _load_replica(trainer, path)
     trainer.step = int(meta["step"])
     trainer.records = [r for r in trainer.records if r["step"] < trainer.step]
     return trainer.step
+
+
+def _save_replica(trainer, partial: str) -> None:
+    """The replica modes (local SGD, EASGD, SSP): replicas differ between exchanges, and DCP keeps one copy of what
+    every rank names alike, so each rank also writes its own model, optimizer and synchroniser state. SSP first
+    applies every update in flight (a checkpoint is a synchronisation point for it)."""
+    sync = getattr(trainer.runner, "sync", None)
+    if sync is None:
+        return
+    if sync.kind == "ssp":
+        sync.finish()
+    runner = trainer.runner
+    torch.save({"model": runner.model.state_dict(), "optimizer": runner.optimizer.state_dict(),
+                "sync": sync.state()}, os.path.join(partial, f"rank{trainer.rank}.replica"))
+
+
+def _load_replica(trainer, path: str) -> None:
+    """Each rank's own replica, where the checkpoint has one for it (same engine count); else the replicas start
+    from DCP's one copy, and the synchroniser from scratch."""
+    sync = getattr(trainer.runner, "sync", None)
+    mine = os.path.join(path, f"rank{trainer.rank}.replica")
+    if sync is None or not os.path.exists(mine):
+        return
+    saved = torch.load(mine, weights_only=False)
+    trainer.runner.model.load_state_dict(saved["model"])
+    trainer.runner.optimizer.load_state_dict(saved["optimizer"])
+    sync.load_state(saved["sync"])
 
 
 class UnreadableCheckpoint(RuntimeError):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from nbdist.checks import whole_number
+from nbdist.checks import known_options, whole_number
 from nbdist.engine import groups
 from nbdist.engine.devices import backend_for
 from nbdist.errors import DistUsageError
@@ -421,10 +421,7 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
     name = _current_name(name)
     if name not in HOOKS:
         raise DistUsageError(f"unknown hook {name!r}: choose one of auto, {', '.join(HOOKS)}")
-    unknown = sorted(set(options) - set(OPTIONS[name]))
-    if unknown:
-        takes = ", ".join(OPTIONS[name]) or "no options"
-        raise DistUsageError(f"hook {name!r} takes {takes}; got {', '.join(unknown)}")
+    known_options(options, OPTIONS[name], f"hook {name!r}")
     if name in ("mpi", "topk"):
         _check_mpi_usable(ddp_model, name)
     if name == "powersgd":

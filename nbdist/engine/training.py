@@ -58,6 +58,8 @@ class RankTrainer:
         self.records: list[dict] = []
         self.stop_requested = False
         self.telemetry = telemetry.Sampler(self.device)
+        self.lag = _agreement_lag(self.runner)
+        self.pending: list = []  # step agreements posted and not yet completed (lag > 0): (record, request, buffers)
         self.pending_save = None  # an asynchronous checkpoint being written (engine/checkpoint.py)
         self.writer_group = None
         self.last_save_stall_s: float | None = None
@@ -82,18 +84,21 @@ class RankTrainer:
         if delay:
             time.sleep(delay)
         computed = time.perf_counter()
-        loss, stop, waited = self._agree(report["loss"])
-        ended = time.perf_counter()
         comm = report.get("comm_s", 0.0)
-        record = {"step": k, "loss": loss, "lr": self._lr(), "rank": self.rank, "started": started,
-                  "ended": ended, "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
-                  "comm_s": comm, "idle_s": waited + report.get("idle_s", 0.0),
-                  "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
+        record = {"step": k, "loss": None, "lr": self._lr(), "rank": self.rank, "started": started,
+                  "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
+                  "comm_s": comm, "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
+        if self.lag:
+            waited = self._agree_later(record, report["loss"])
+        else:
+            record["loss"], stop, waited = self._agree(report["loss"])
+            self.stop_requested = self.stop_requested or stop
+        record["ended"] = time.perf_counter()
+        record["idle_s"] = waited + report.get("idle_s", 0.0)
         if x.dim() >= 2 and not x.is_floating_point():
             record["tokens"] = self.spec.batch_size * x.shape[1]
         self.step += 1
         self.records.append(record)
-        self.stop_requested = self.stop_requested or stop
         return record
 
     def _autocast(self):
@@ -129,6 +134,44 @@ class RankTrainer:
     def _lr(self) -> float | None:
         optimizer = self.runner.optimizer
         return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+
+    def _agree_later(self, record: dict, loss: float | None) -> float:
+        """The step boundary of the replica modes: this step's agreement is posted now and completed `lag` steps
+        later (when the record gets its mean loss), so replicas may run up to `lag` steps apart, as their strategy
+        allows (SSP's staleness + 1, local SGD's period, EASGD's tau), yet every rank reads the same stop request
+        at the same step. Returns the seconds spent waiting for the others."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([float(self.stop_requested or _STOP["asked"]), loss or 0.0, 1.0 if loss is not None else 0.0])
+        total = np.zeros(3)
+        self.pending.append((record, self.boundary.Iallreduce(mine, total, op=MPI.SUM), (mine, total)))
+        return self.complete_agreements(keep=self.lag)
+
+    def complete_agreements(self, keep: int = 0) -> float:
+        """Complete the oldest posted agreements until `keep` remain; returns the seconds waited."""
+        started = time.perf_counter()
+        while len(self.pending) > keep:
+            record, request, (mine, total) = self.pending[0]
+            try:
+                done = mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS)
+            except BaseException:
+                self._abandon_agreements()
+                raise
+            if not done:
+                self._abandon_agreements()
+                raise TimeoutError(f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other ranks "
+                                   f"to reach step {record['step']}")
+            self.pending.pop(0)
+            record["loss"] = float(total[1] / total[2]) if total[2] else math.nan
+            self.stop_requested = self.stop_requested or bool(total[0] > 0)
+        return time.perf_counter() - started
+
+    def _abandon_agreements(self) -> None:
+        for _, request, buffers in self.pending:
+            mpi_work.abandoned.append(([request], buffers))
+        self.pending = []
+        self.boundary = None  # out of step with the others: the next fit makes a fresh one
 
     def _agree(self, loss: float | None) -> tuple[float, bool, float]:
         """The step boundary: (the mean loss over the replicas, whether any rank was asked to stop, seconds this
@@ -184,15 +227,18 @@ class RankTrainer:
             for _ in range(steps):
                 record = self.train_step()
                 if self._due(self.spec.eval_every):
+                    self.complete_agreements()
                     record["eval_loss"] = self.evaluate()
                 checkpoint.settle(self, wait=False)
                 if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
+                    self.complete_agreements()
                     record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
                                                            self.spec.async_checkpoint)
                     record["checkpoint_stall_s"] = self.last_save_stall_s
                 publish(force=False)
                 if self.stop_requested:
                     break
+            self.complete_agreements()
             checkpoint.settle(self, wait=True)
         finally:
             if self.boundary is not None:
@@ -206,6 +252,16 @@ class RankTrainer:
 
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.step % every == 0
+
+
+def _agreement_lag(runner) -> int:
+    """How many steps the replicas may run apart before the step boundary makes them wait (0: every step)."""
+    sync = getattr(runner, "sync", None)
+    if sync is None:
+        return 0
+    options = sync.options
+    return {"ssp": options.get("staleness", 0) + 1, "local-sgd": options.get("period", 1),
+            "easgd": options.get("tau", 1)}.get(sync.kind, 0)
 
 
 def clip_gradients(params: list, max_norm: float, stages=None) -> float:

@@ -16,6 +16,8 @@ class History:
         for r in rank_records:
             row = self.by_step.setdefault(r["step"], {"step": r["step"], "loss": r["loss"], "lr": r["lr"],
                                                       "samples": r["samples"], "ranks": {}})
+            if r["loss"] is not None:  # the replica modes agree on a step's loss a few steps later
+                row["loss"] = r["loss"]
             row["ranks"][r["rank"]] = {k: r[k] for k in ("started", "ended", "compute_s", "comm_s", "idle_s")}
             for key in ("eval_loss", "checkpoint", "checkpoint_stall_s", "tokens"):
                 if key in r:

@@ -59,7 +59,7 @@ class Dashboard(WithStaticCopy):
         self.redraws += 1
         done = self.live.step - self.first
         self.bar.value = max(0, min(done, self.steps))
-        rows = self.live.records
+        rows = [r for r in self.live.records if r["loss"] is not None]
         if rows:
             rate = self.live.throughput(last=20)
             tokens = rows[-1].get("tokens", 0) / rows[-1]["samples"]
