@@ -30,7 +30,7 @@ from nbdist.engine.pipeline import restore
 
 KIND = "trainer"
 STOP_SIGNAL = signal.SIGUSR1  # "stop at the next step boundary" (SIGINT stays the interrupt that frees any wait)
-PUBLISH_SECONDS = 0.25
+PUBLISH_SECONDS = 0.5
 RECORDS_PUBLISHED = 256  # the newest records sent with each publication (the notebook merges them by step)
 BOUNDARY_TIMEOUT_SECONDS = 600.0
 

@@ -76,9 +76,12 @@ def figure_html(fig, loader: bool | None = None) -> str:
     """
     if loader is None:
         loader = claim_loader()
-    figure = fig.to_json().replace("</", "<\\/")  # no "</script>" inside the script
+    if isinstance(fig, dict):  # a figure's JSON already (a live view's): no plotly objects built again
+        figure, height = json.dumps(fig), fig.get("layout", {}).get("height")
+    else:
+        figure, height = fig.to_json(), fig.layout.height
+    figure = figure.replace("</", "<\\/")  # no "</script>" inside the script
     div = f"nbdist-figure-{uuid.uuid4().hex}"
-    height = fig.layout.height
     style = f"width:100%;height:{int(height)}px" if height else "width:100%"
     script = (
         '<script type="text/javascript">\n(function () {\n'
