@@ -267,8 +267,10 @@ def test_ssp_lets_the_fast_rank_run_ahead_of_a_straggler_within_its_bound(cluste
 
 
 @pytest.mark.parametrize("sync, options", [("local-sgd", {"period": 2}), ("easgd", {"tau": 2}),
-                                           ("ssp", {"staleness": 1})])
+                                           ("ssp", {"staleness": 0})])
 def test_replica_modes_resume_exactly(cluster, tmp_path, sync, options):
+    """(SSP with staleness > 0 is not deterministic: which updates a replica has applied depends on when they
+    arrived. With 0 it is, and its checkpoint's drain must not change it.)"""
     whole = trainer(cluster, sgd, sync=sync, sync_options=options, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     whole.fit(steps=6)
     expected = whole.state_dict()
@@ -328,10 +330,11 @@ def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
 def test_bad_settings_are_refused_in_one_line(cluster, options, says):
     from nbdist.engine import registry
 
+    before = cluster.run(registry.names, "sharded")
     with pytest.raises(DistUsageError, match=says) as raised:
         trainer(cluster, **options)
     assert "\n" not in str(raised.value)
-    assert cluster.run(registry.names, "sharded") == [[], []]  # refused before anything was built
+    assert cluster.run(registry.names, "sharded") == before  # refused before anything was built
 
 
 def test_fit_needs_steps_or_epochs(cluster):
@@ -357,10 +360,11 @@ def test_a_failing_data_fn_names_the_rank_and_the_cluster_stays_usable(cluster):
 
     from nbdist.engine import registry
 
+    before = cluster.run(registry.names, "sharded")
     with pytest.raises(DistError, match="rank 1 raised FileNotFoundError: no data here"):
         nbdist.Trainer(model_fn, failing, models.lm_loss, adam, batch_size=BATCH, live=False, cluster=cluster)
     assert cluster.run(lambda: 2) == [2, 2]
-    assert cluster.run(registry.names, "sharded") == [[], []]  # the plan's model was freed with it
+    assert cluster.run(registry.names, "sharded") == before  # the plan's model was freed with it
 
 
 # -- faults: killed engines, interrupts ------------------------------------------------------------------------------
