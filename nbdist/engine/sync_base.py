@@ -70,6 +70,8 @@ class Synchronizer:
         self.steps = 0  # steps taken: the strategies' schedules count these (the Trainer's own number may differ)
         self.broken: str | None = None
         self._closed = False
+        self.scale = None  # the Trainer's loss scaling (fp16): loss -> scaled loss, before backward
+        self.apply = None  # the Trainer's optimizer step (unscale, clip, step): replaces optimizer.step()
 
     # -- the interface --------------------------------------------------------------------------------------------
 
@@ -119,9 +121,14 @@ class Synchronizer:
         total, n = 0.0, len(inputs)
         for x, y in zip(inputs.tensor_split(microbatches), targets.tensor_split(microbatches)):
             loss = loss_fn(self.model(x), y)
-            (loss * (len(x) / n)).backward()
+            part = loss * (len(x) / n)
+            (part if self.scale is None else self.scale(part)).backward()
             total += loss.item() * len(x) / n
         return total
+
+    def step_optimizer(self) -> None:
+        """This replica's optimizer step (the Trainer's, with clipping and loss scaling, where it set one)."""
+        self.optimizer.step() if self.apply is None else self.apply(self.optimizer)
 
     def grads(self) -> list[torch.Tensor]:
         """Every trained parameter's gradient, zeros where backward left none (every replica must send the same

@@ -91,7 +91,7 @@ class AllReduce(Synchronizer):
         backward = time.perf_counter() - start
         idle, comm = self.average(self.grads(), "the gradient all-reduce")
         start = time.perf_counter()
-        self.optimizer.step()
+        self.step_optimizer()
         self.steps += 1
         return report(loss, backward + time.perf_counter() - start, comm, idle)
 
@@ -117,7 +117,7 @@ class LocalSGD(Synchronizer):
         if self.steps < warmup:
             idle, comm = self.average(self.grads(), "the warm-up gradient all-reduce")
         start = time.perf_counter()
-        self.optimizer.step()
+        self.step_optimizer()
         compute += time.perf_counter() - start
         if self.steps >= warmup and (self.steps - warmup) % period == 0:
             waited, moved = self.average(self.params, "the parameter average")
@@ -157,7 +157,7 @@ class ElasticAveraging(Synchronizer):
         loss = self.backward(inputs, targets, loss_fn, microbatches)
         elastic = self.steps % self.options["tau"] == 0
         pull = flatten(self.params).sub_(self.center).mul_(self.options["alpha"]) if elastic else None
-        self.optimizer.step()
+        self.step_optimizer()
         compute, idle, comm = time.perf_counter() - start, 0.0, 0.0
         if elastic:
             start = time.perf_counter()

@@ -76,7 +76,7 @@ class StaleSynchronous(Synchronizer):
         start = time.perf_counter()
         loss = self.backward(inputs, targets, loss_fn, microbatches)
         before = flatten(self.params)
-        self.optimizer.step()
+        self.step_optimizer()
         update = flatten(self.params).sub_(before).div_(self.replicas)
         write(before.add_(update), self.params)
         compute = time.perf_counter() - start

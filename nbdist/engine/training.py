@@ -389,6 +389,7 @@ class ReplicaRunner:
         self.microbatches = spec.microbatches
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        self.sync.scale, self.sync.apply = scale, apply  # loss scaling and clipping, per replica
         with autocast if autocast is not None else contextlib.nullcontext():
             return self.sync.step(step, x, y, loss_fn, self.microbatches)
 

@@ -71,9 +71,6 @@ class Trainer:
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
         self.live, self.tensorboard, self.trace = live, tensorboard, trace
         self.id = f"train{next(_numbers)}"
-        if sync != "allreduce" and (clip is not None or precision == "fp16"):
-            raise DistUsageError(f"sync={sync!r} does not clip or scale losses yet (clip=, precision='fp16'): use "
-                                 "sync='allreduce' for those")
         self.plan = self._plan(model_fn, plan, grad_accum, sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else grad_accum
