@@ -32,9 +32,8 @@ def folder(directory: str, step: int) -> str:
 def _barrier(trainer) -> None:
     from nbdist.engine import mpi_work
 
-    request = trainer.me.everyone.Ibarrier()
-    if not mpi_work.poll([request], 600.0):
-        raise TimeoutError(f"rank {trainer.rank}: the other ranks did not reach the checkpoint within 600 s")
+    mpi_work.complete_or_abandon([trainer.me.everyone.Ibarrier()], (), 600.0,
+                                 f"rank {trainer.rank}: the other ranks did not reach the checkpoint within 600 s")
 
 
 def _state(trainer):

@@ -96,6 +96,22 @@ def poll(requests: list, seconds: float) -> bool:
     return True
 
 
+def complete_or_abandon(requests: list, buffers: tuple, seconds: float, late: str,
+                        abandon: list | None = None) -> None:
+    """Complete `requests` by polling (interruptible), for nbdist's own MPI traffic outside process groups (the
+    Trainer's step boundary, a synchroniser's exchange). Interrupted, or still pending after `seconds`, they are given
+    up for good (with `abandon`, others in flight beside them; their buffers kept alive: MPI may still write into
+    them) and the interrupt, or a TimeoutError saying `late`, is raised."""
+    try:
+        done = poll(requests, seconds)
+    except BaseException:
+        abandoned.append((abandon or requests, buffers))
+        raise
+    if not done:
+        abandoned.append((abandon or requests, buffers))
+        raise TimeoutError(late)
+
+
 def complete_now(group, op: str, requests: list, finish: Callable | None, buffers: tuple) -> MpiWork:
     """Complete an operation before returning, for callers that only wait on the Work they get back (torch's
     `dist.*` functions without `async_op`, which say so in `opts.asyncOp`): no Work is made for it, which saves a

@@ -38,7 +38,7 @@ class ShardedModel:
         self.optimizer = None if make is None else zero.optimizer(
             self.model.parameters(), make, spec.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(spec.dp, spec.tp, spec.zero)
-        self.last_gradient_at = 0.0  # when backward last accumulated a parameter's gradient (see exposed_comm)
+        self.last_gradient_at = 0.0  # when backward last accumulated a parameter's gradient (see exposed_comm_s)
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._gradient_done)
 

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.engine.mpi_work import abandoned, poll
+from nbdist.engine.mpi_work import complete_or_abandon, poll
 from nbdist.errors import DistUsageError
 
 # -- flat views of parameters and gradients --------------------------------------------------------------------------
@@ -145,9 +145,8 @@ class Synchronizer:
         them) and this synchronizer is broken."""
         start = time.perf_counter()
         try:
-            poll(requests, math.inf)
+            complete_or_abandon(requests, buffers, math.inf, what, abandon=requests + (also or []))
         except BaseException:
-            abandoned.append((requests + (also or []), buffers))
             self.broken = f"{what} at step {self.steps} (rank {self.rank})"
             raise
         return time.perf_counter() - start

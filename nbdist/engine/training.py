@@ -60,6 +60,7 @@ class RankTrainer:
         self.telemetry = telemetry.Sampler(self.device)
         self.lag = _agreement_lag(self.runner)
         self.pending: list = []  # step agreements posted and not yet completed (lag > 0): (record, request, buffers)
+        self.boundary = None  # the MPI communicator of the step boundary, made by each fit call
         self.pending_save = None  # an asynchronous checkpoint being written (engine/checkpoint.py)
         self.writer_group = None
         self.last_save_stall_s: float | None = None
@@ -88,11 +89,7 @@ class RankTrainer:
         record = {"step": k, "loss": None, "lr": self._lr(), "rank": self.rank, "started": started,
                   "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
                   "comm_s": comm, "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
-        if self.lag:
-            waited = self._agree_later(record, report["loss"])
-        else:
-            record["loss"], stop, waited = self._agree(report["loss"])
-            self.stop_requested = self.stop_requested or stop
+        waited = self._agree(record, report["loss"], keep=self.lag)
         record["ended"] = time.perf_counter()
         record["idle_s"] = waited + report.get("idle_s", 0.0)
         if x.dim() >= 2 and not x.is_floating_point():
@@ -135,18 +132,21 @@ class RankTrainer:
         optimizer = self.runner.optimizer
         return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
 
-    def _agree_later(self, record: dict, loss: float | None) -> float:
-        """The step boundary of the replica modes: this step's agreement is posted now and completed `lag` steps
-        later (when the record gets its mean loss), so replicas may run up to `lag` steps apart, as their strategy
-        allows (SSP's staleness + 1, local SGD's period, EASGD's tau), yet every rank reads the same stop request
-        at the same step. Returns the seconds spent waiting for the others."""
+    def _agree(self, record: dict, loss: float | None, keep: int = 0) -> float:
+        """The step boundary: post this step's agreement (one small MPI all-reduce over the mesh: whether any rank
+        was asked to stop, and the loss), then complete the posted ones until `keep` remain; each completed one
+        gives its record the mean loss over the replicas. Returns the seconds spent waiting for the others.
+
+        keep = 0 (the plans) completes it at once; the replica modes keep `lag` in flight, so replicas may run up to
+        `lag` steps apart, as their strategy allows (SSP's staleness + 1, local SGD's period, EASGD's tau), yet every
+        rank reads the same stop request at the same step."""
         import numpy as np
         from mpi4py import MPI
 
         mine = np.array([float(self.stop_requested or _STOP["asked"]), loss or 0.0, 1.0 if loss is not None else 0.0])
         total = np.zeros(3)
         self.pending.append((record, self.boundary.Iallreduce(mine, total, op=MPI.SUM), (mine, total)))
-        return self.complete_agreements(keep=self.lag)
+        return self.complete_agreements(keep)
 
     def complete_agreements(self, keep: int = 0) -> float:
         """Complete the oldest posted agreements until `keep` remain; returns the seconds waited."""
@@ -154,49 +154,22 @@ class RankTrainer:
         while len(self.pending) > keep:
             record, request, (mine, total) = self.pending[0]
             try:
-                done = mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS)
+                mpi_work.complete_or_abandon([request], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+                                             f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other "
+                                             f"ranks to reach step {record['step']}")
             except BaseException:
                 self._abandon_agreements()
                 raise
-            if not done:
-                self._abandon_agreements()
-                raise TimeoutError(f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other ranks "
-                                   f"to reach step {record['step']}")
             self.pending.pop(0)
             record["loss"] = float(total[1] / total[2]) if total[2] else math.nan
             self.stop_requested = self.stop_requested or bool(total[0] > 0)
         return time.perf_counter() - started
 
     def _abandon_agreements(self) -> None:
-        for _, request, buffers in self.pending:
+        for _, request, buffers in self.pending[1:]:  # the oldest was given up by complete_or_abandon
             mpi_work.abandoned.append(([request], buffers))
         self.pending = []
         self.boundary = None  # out of step with the others: the next fit makes a fresh one
-
-    def _agree(self, loss: float | None) -> tuple[float, bool, float]:
-        """The step boundary: (the mean loss over the replicas, whether any rank was asked to stop, seconds this
-        rank waited for the others). One MPI all-reduce over the mesh, completed by polling (interruptible)."""
-        import numpy as np
-        from mpi4py import MPI
-
-        asked = self.stop_requested or _STOP["asked"]
-        mine = np.array([float(asked), loss or 0.0, 1.0 if loss is not None else 0.0])
-        total = np.zeros(3)
-        started = time.perf_counter()
-        request = self.boundary.Iallreduce(mine, total, op=MPI.SUM)
-        try:
-            done = mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS)
-        except BaseException:
-            mpi_work.abandoned.append(([request], (mine, total)))
-            self.boundary = None  # out of step with the others: the next fit makes a fresh one
-            raise
-        if not done:
-            mpi_work.abandoned.append(([request], (mine, total)))
-            self.boundary = None
-            raise TimeoutError(f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s at the end of step "
-                               f"{self.step} for the other ranks")
-        waited = time.perf_counter() - started
-        return (float(total[1] / total[2]) if total[2] else math.nan), bool(total[0] > 0), waited
 
     # -- evaluation and the loop ------------------------------------------------------------------------------
 
@@ -212,8 +185,9 @@ class RankTrainer:
                     losses.append(float(self.loss_fn(model(x), y)))
         finally:
             model.train()
-        mean, _, _ = self._agree(sum(losses) / len(losses))
-        return mean
+        agreed = {"step": self.step}
+        self._agree(agreed, sum(losses) / len(losses))
+        return agreed["loss"]
 
     def fit(self, steps: int, publish_every: float | None) -> dict:
         """Train `steps` steps (fewer if stopped); return this rank's records of them."""
@@ -290,10 +264,8 @@ def _sum_over(comm, value: float) -> float:
     from mpi4py import MPI
 
     mine, total = np.array([value]), np.zeros(1)
-    request = comm.Iallreduce(mine, total, op=MPI.SUM)
-    if not mpi_work.poll([request], BOUNDARY_TIMEOUT_SECONDS):
-        mpi_work.abandoned.append(([request], (mine, total)))
-        raise TimeoutError("the pipeline's ranks did not sum their gradient norms in time")
+    mpi_work.complete_or_abandon([comm.Iallreduce(mine, total, op=MPI.SUM)], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+                                 "the pipeline's ranks did not sum their gradient norms in time")
     return float(total[0])
 
 

@@ -171,7 +171,7 @@ class Pipeline(GatheredModel):
             tp_plan=None if self.tp_plan is None else {s: self.tp_plan[s] for s in layers},
         )
 
-    def _message_shapes(self, inputs: torch.Tensor) -> dict:
+    def message_shapes(self, inputs: torch.Tensor) -> dict:
         """stage -> (shape, dtype) of its output for one micro-batch, found on the meta device (no compute)."""
         key = (tuple(inputs.shape), inputs.dtype)
         if key not in self._shapes:
@@ -203,7 +203,7 @@ class Pipeline(GatheredModel):
         first stage the inputs, the last stage the targets (nothing else crosses the network)."""
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
         self._check_batch(inputs, targets)
-        shapes = self._message_shapes(inputs)
+        shapes = self.message_shapes(inputs)
         inputs_of, targets_of = inputs.chunk(self.replicas), targets.chunk(self.replicas)
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss_fn = portable(loss_fn)

@@ -65,9 +65,6 @@ class Trainer:
             raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
         if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
             raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {clip!r}")
-        self.arguments = dict(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
-                              plan=plan, batch_size=batch_size, seed=seed, precision=precision,
-                              grad_accum=grad_accum, sync=sync)
         self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
         self.live, self.tensorboard, self.trace = live, tensorboard, trace
         self.id = f"train{next(_numbers)}"
@@ -133,7 +130,7 @@ class Trainer:
         import torch
 
         shape, dtype = self.cluster.run(on_ranks.sample_shape, portable(data_fn), ranks=[0])[0]
-        return self.model._message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
+        return self.model.message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
 
     # -- the run ----------------------------------------------------------------------------------------------
 
