@@ -16,6 +16,7 @@ steps, so every replica takes the same step.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ class StageExecutor:
         params = self.parameters()
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.apply_optimizer = None  # set by the Trainer: its optimizer step (clipping) instead of optimizer.step()
+        self.autocast_dtype: torch.dtype | None = None  # set by the Trainer: forwards under autocast (bf16)
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
         self.epoch = 0  # steps begun: part of every message tag
@@ -236,17 +238,51 @@ class StageExecutor:
         else:
             x = state.received.pop(Action(a.stage, RECV_F, a.microbatch))[0].requires_grad_()
         module = self.modules[a.stage]
-        if self.spec.pipedream_lr is not None:
-            version = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
-            state.stashed[key] = version
-            y = functional_call(module, version, (x,))
-        else:
-            y = module(x)
-        if a.stage == self.spec.stages - 1:
-            loss = self.loss_fn(y, state.targets[a.microbatch])
-            state.losses.append(loss.detach())
-            y = loss / self.spec.microbatches  # the batch loss is the mean over equal micro-batches
+        with self._autocast():
+            if self.spec.pipedream_lr is not None:
+                version = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+                state.stashed[key] = version
+                y = functional_call(module, version, (x,))
+            else:
+                y = module(x)
+            if a.stage == self.spec.stages - 1:
+                loss = self.loss_fn(y, state.targets[a.microbatch])
+                state.losses.append(loss.detach())
+                y = loss / self.spec.microbatches  # the batch loss is the mean over equal micro-batches
+        if a.stage < self.spec.stages - 1 and self.autocast_dtype is not None:
+            y = _as_message(y, self.shapes[a.stage][1])
         state.stage_inputs[key], state.stage_outputs[key] = x, y
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def evaluate(self, inputs, targets, loss_fn) -> float | None:
+        """The loss of one batch without gradients (evaluation): the forward actions of this rank's list, in its
+        order, each receive waited for at once. Keeping only the forward half of a list that lets every message
+        arrive removes waits and adds none, so this cannot hang where training does not. A new step epoch, so its
+        messages never match a training step's. Returns the mean over the micro-batches on the last stage, None on
+        the others."""
+        self.begin(self.shapes, inputs, targets, loss_fn)
+        state = self.state
+        with torch.no_grad():
+            for a in self.program:
+                if a.kind == RECV_F:
+                    shape, dtype = self._message_shape(a)
+                    buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                    request = self.transport.irecv(buffer, self._rank_of(a.peer_stage()), self._tag(a))
+                    state.received[a] = (buffer, request)
+                    request.wait()
+                elif a.kind == FORWARD:
+                    self._forward(a)
+                    state.stage_inputs.pop((a.stage, a.microbatch))
+                elif a.kind == SEND_F:
+                    self._send_activation(a)
+            for request in state.sends:
+                request.wait()
+        state.sends = []
+        return float(sum(state.losses) / len(state.losses)) if state.losses else None
 
     def _output_and_grad(self, a: Action) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A stage's output and the gradient that flows into it: none on the last stage (the output is the loss),
@@ -385,6 +421,12 @@ class StageExecutor:
             cancel = getattr(request, "cancel", None)
             if cancel is not None:
                 cancel()
+
+
+def _as_message(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stage's output in the dtype its message was sized for (float32 under bf16 autocast: an autocast op's
+    output may be bf16). The cast is part of the graph, so the gradient that comes back is cast back too."""
+    return y.to(dtype) if y.is_floating_point() and dtype.is_floating_point and y.dtype != dtype else y
 
 
 def _drain(requests: list, stop: threading.Event) -> None:

@@ -2,7 +2,8 @@
 
 Why on the ranks: a step driven from the notebook pays a round trip (about 9 ms here) and ships every batch; a
 loop here pays neither. Each rank reads the global batch of step k from its own copy of the data set
-(nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share.
+(nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share. What a step runs
+(a plan's sharded model, a pipeline's stages, a replica and its synchroniser) is engine/runners.py.
 
 At every step boundary the ranks agree, in one small MPI all-reduce over the mesh, on the step's loss and on
 whether anyone was asked to stop (SIGUSR1, which the notebook's Trainer sends when the user presses stop; the
@@ -17,7 +18,6 @@ memory (NVML) sampled at most every PUBLISH_SECONDS and published to the noteboo
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
@@ -25,7 +25,7 @@ import time
 import torch
 
 from nbdist import data as datasets
-from nbdist.engine import mpi_work, rank_mesh, registry, telemetry
+from nbdist.engine import mpi_work, rank_mesh, registry, runners, telemetry
 from nbdist.engine.pipeline import restore
 
 KIND = "trainer"
@@ -51,7 +51,7 @@ class RankTrainer:
         self.eval_set = restore(spec.eval_data)() if spec.eval_data else None
         self.loss_fn = restore(spec.loss)
         self.lr_schedule = restore(spec.lr_schedule)
-        self.runner = _runner(spec, self.me)
+        self.runner = runners.make(spec, self.me)
         self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "fp16" else None
         self.step = 0
@@ -174,19 +174,21 @@ class RankTrainer:
     # -- evaluation and the loop ------------------------------------------------------------------------------
 
     def evaluate(self) -> float:
-        """The mean loss over `eval_batches` fixed batches of the evaluation set (the same on any plan)."""
+        """The mean loss over `eval_batches` fixed batches of the evaluation set (the same on any plan): each rank
+        that computes a loss (every rank; a pipeline's last stage) reports it, the step boundary averages them."""
         model = self.runner.model
         model.eval()
         losses = []
         try:
-            with torch.no_grad(), (self._autocast() or contextlib.nullcontext()):
-                for j in range(self.spec.eval_batches):
-                    x, y = self.share(j, self.eval_set, self.spec.seed + 1)
-                    losses.append(float(self.loss_fn(model(x), y)))
+            for j in range(self.spec.eval_batches):
+                x, y = self.share(j, self.eval_set, self.spec.seed + 1)
+                loss = self.runner.evaluate(x, y, self.loss_fn, self._autocast())
+                if loss is not None:
+                    losses.append(loss)
         finally:
             model.train()
         agreed = {"step": self.step}
-        self._agree(agreed, sum(losses) / len(losses))
+        self._agree(agreed, sum(losses) / len(losses) if losses else None)
         return agreed["loss"]
 
     def fit(self, steps: int, publish_every: float | None) -> dict:
@@ -284,101 +286,6 @@ def install_stop_handler() -> None:
         signal.signal(STOP_SIGNAL, _ask_to_stop)
 
 
-# -- what the model is: a sharded model of the plan, or a replica with its synchroniser ----------------------------
-
-
-class ShardedRunner:
-    """pp = 1 plans (dp, tp, ZeRO): nbdist's ShardedModel (engine/sharded.py), built by the plan's apply()."""
-
-    def __init__(self, name: str):
-        from nbdist.engine import sharded
-
-        self.sharded = registry.get(sharded.KIND, name)
-        self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
-
-    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
-        report = self.sharded.step(x, y, loss_fn, autocast=autocast, scale=scale, apply=apply)
-        return {"loss": report["loss"], "comm_s": report["exposed_comm_s"]}
-
-    def finish(self) -> None:
-        pass
-
-
-class PipelineRunner:
-    """pp > 1 plans: nbdist's pipeline executor on this rank (its stages, split over tp, averaged over dp), one
-    full-speed step per call. `model` names its layers as the unsplit model does, for checkpoints."""
-
-    def __init__(self, spec):
-        from nbdist.engine import pipeline
-
-        self.name, self.shapes = spec.model, spec.pipeline["shapes"]
-        self.executor = registry.get(pipeline.KIND, spec.model)
-        self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
-        self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
-        self.optimizer = self.executor.optimizer
-
-    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
-        from nbdist.engine import pipeline
-        from nbdist.schedules.actions import Action
-
-        self.executor.apply_optimizer = apply
-        started = time.perf_counter()
-        report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
-        wall = time.perf_counter() - started
-        compute = comm = 0.0
-        for action, start, end, *_ in report["spans"]:
-            if Action.parse(action).is_compute:
-                compute += end - start
-            else:
-                comm += end - start
-        return {"loss": report["loss"], "comm_s": comm, "idle_s": max(0.0, wall - compute - comm)}
-
-    def finish(self) -> None:
-        pass
-
-
-def unsplit_view(modules: dict, layers: dict) -> torch.nn.Module:
-    """One module holding this rank's stage modules' layers under the unsplit model's names (layer a+i of a stage
-    that starts at layer a): what get_state_dict keys a checkpoint by, so it loads into any other plan."""
-    view = torch.nn.Module()
-    for stage, module in modules.items():
-        first = layers[stage][0]
-        for i, layer in enumerate(module):
-            view.add_module(str(first + i), layer)
-    return view
-
-
-class ReplicaRunner:
-    """The asynchronous and periodic modes (local SGD, EASGD, SSP): each rank a whole model and its own
-    optimizer; the synchroniser (engine/sync_modes.py) decides what crosses the network and when."""
-
-    def __init__(self, spec, me):
-        from nbdist.engine import sync_modes
-
-        self.model = restore(spec.model_fn)()
-        self.optimizer = restore(spec.optimizer)(self.model.parameters())
-        self.sync = sync_modes.make(spec.sync, self.model, self.optimizer, me.comm("dp"), dict(spec.sync_options))
-        self.microbatches = spec.microbatches
-
-    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
-        self.sync.scale, self.sync.apply = scale, apply  # loss scaling and clipping, per replica
-        with autocast if autocast is not None else contextlib.nullcontext():
-            return self.sync.step(step, x, y, loss_fn, self.microbatches)
-
-    def finish(self) -> None:
-        self.sync.finish()
-
-
-def _runner(spec, me):
-    if spec.kind == "sharded":
-        return ShardedRunner(spec.model)
-    if spec.kind == "replica":
-        return ReplicaRunner(spec, me)
-    if spec.kind == "pipeline":
-        return PipelineRunner(spec)
-    raise ValueError(f"no runner for {spec.kind!r}")
-
-
 # -- what the notebook calls ------------------------------------------------------------------------------------
 
 
@@ -447,6 +354,6 @@ def load(name: str, path: str) -> int:
 
 def close(name: str) -> None:
     trainer = registry.find(KIND, name)
-    if trainer is not None and isinstance(trainer.runner, ReplicaRunner):
+    if trainer is not None and getattr(trainer.runner, "sync", None) is not None:
         trainer.runner.sync.close()
     registry.drop(KIND, name)

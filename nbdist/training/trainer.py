@@ -75,13 +75,15 @@ class Trainer:
             raise DistUsageError(f"batch_size {batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
         kind = "replica" if self.plan is None else ("pipeline" if self.plan.pp > 1 else "sharded")
-        if kind == "pipeline":
-            _refuse_for_pipelines(precision, eval_every)
+        if kind == "pipeline" and precision == "fp16":
+            raise DistUsageError("precision='fp16' with pp > 1 is not supported: loss scaling would need every stage "
+                                 "to agree on the steps it skips (use bf16, or a pp = 1 plan)")
         self.cluster.run(on_ranks.seed_everything, seed)
         self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
         try:
             self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
-            pipeline = {"shapes": self._pipeline_shapes(data_fn, batch_size)} if kind == "pipeline" else {}
+            pipeline = ({"shapes": self._pipeline_shapes(data_fn, batch_size, eval_data_fn if eval_every else None)}
+                        if kind == "pipeline" else {})
             self.spec = TrainSpec(
                 name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None, kind=kind,
                 data=portable(data_fn), loss=portable(loss_fn), batch_size=batch_size, seed=seed,
@@ -125,11 +127,18 @@ class Trainer:
                                  "it in one place")
         return plan
 
-    def _pipeline_shapes(self, data_fn, batch_size: int) -> dict:
-        """Each pipeline stage's message shape for this batch, from one sample of the data set (read on rank 0)."""
+    def _pipeline_shapes(self, data_fn, batch_size: int, eval_data_fn=None) -> dict:
+        """Each pipeline stage's message shape for this batch, from one sample of the data set (read on rank 0).
+        Evaluation runs through the same stages with the same messages: its samples must be shaped alike."""
         import torch
 
         shape, dtype = self.cluster.run(on_ranks.sample_shape, portable(data_fn), ranks=[0])[0]
+        if eval_data_fn is not None:
+            eval_shape, eval_dtype = self.cluster.run(on_ranks.sample_shape, portable(eval_data_fn), ranks=[0])[0]
+            if (eval_shape, eval_dtype) != (shape, dtype):
+                raise DistUsageError(f"with pp > 1 the evaluation samples must be shaped like the training ones "
+                                     f"(the pipeline's messages are sized for them): {tuple(eval_shape)} "
+                                     f"{eval_dtype} vs {tuple(shape)} {dtype}")
         return self.model.message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
 
     # -- the run ----------------------------------------------------------------------------------------------
@@ -253,15 +262,6 @@ def _check_functions(**functions) -> None:
     for label, fn in functions.items():
         if not callable(fn):
             raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
-
-
-def _refuse_for_pipelines(precision: str, eval_every) -> None:
-    if precision != "fp32":
-        raise DistUsageError(f"precision={precision!r} with pp > 1 is not supported yet: the pipeline's messages are "
-                             "float32 (use fp32, or a pp = 1 plan)")
-    if eval_every:
-        raise DistUsageError("eval_every with pp > 1 is not supported yet (evaluation needs a forward-only "
-                             "schedule): use a pp = 1 plan")
 
 
 class _graceful_stop:
