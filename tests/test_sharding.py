@@ -313,8 +313,8 @@ def test_the_predicted_memory_of_every_rank_is_what_it_then_holds(cluster, plan)
 
 def test_profile_measures_what_the_libraries_cost_and_the_prediction_adds_it(cluster):
     """plan.profile() times the layers and, with every rank busy, what DTensor costs per split Linear and the
-    optimizer per parameter; the predicted step adds 6 split Linears per GPT block (q, k, v, out, fc, proj) per
-    micro-batch, and the optimizer's step on the rank's share."""
+    optimizer per parameter and per DTensor parameter; the predicted step adds 6 split Linears per GPT block (q, k,
+    v, out, fc, proj) per micro-batch, and the optimizer's step on the rank's share."""
     plan = nbdist.shard(model_fn, tp=2, cluster=cluster).profile()
     costs = plan.overheads
     assert costs.tp_linear[0] > 0 and costs.tp_linear[1] > 0 and costs.optimizer_per_param > 0
@@ -323,6 +323,10 @@ def test_profile_measures_what_the_libraries_cost_and_the_prediction_adds_it(clu
     linears = 6 * CONFIG["layers"]
     assert step.library_forward_s == [pytest.approx(linears * costs.tp_linear[0])]
     assert step.library_backward_s == [pytest.approx(linears * costs.tp_linear[1])]
+    assert costs.optimizer_per_dtensor > 0  # DTensor's dispatch of each update op, per parameter tensor
+    split = sum(p.tp_dim is not None for layer in plan.layers for p in layer.tensors)
+    assert split == 10 * CONFIG["layers"]  # q, k, v, fc weights and biases, out and proj weights, per block
+    elementwise = step.optimizer_s[0] - split * costs.optimizer_per_dtensor
     params = sum(p.numel() for p in model_fn().parameters())
-    assert params / 2 < step.optimizer_s[0] / costs.optimizer_per_param < params  # the split ones halved by tp
+    assert params / 2 < elementwise / costs.optimizer_per_param < params  # the split ones halved by tp
     assert step.total_s > step.makespan_s

@@ -129,6 +129,7 @@ class Plan:
             tp_linear=tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1)),
             fsdp_unit=tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1)),
             optimizer_per_param=max(c["optimizer_per_param"] for c in costs),
+            optimizer_per_dtensor=max(c["optimizer_per_dtensor"] for c in costs),
         )
 
     def predicted_step(self, alpha_beta=None) -> predict.StepTime:

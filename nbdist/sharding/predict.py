@@ -581,11 +581,14 @@ class Overheads:
     micro-benchmarks (nbdist/engine/sharded.py, mechanism_costs), seconds per micro-batch:
     `tp_linear`: (forward, backward) per tensor-parallel Linear (DTensor's dispatch and redistribution);
     `fsdp_unit`: (forward, backward) per FSDP2 unit (its hooks, gathers and scatters of small shards);
-    `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind)."""
+    `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind);
+    `optimizer_per_dtensor`: its extra step time per parameter tensor that is a DTensor (FSDP2 shards, split
+    Linears), DTensor's dispatch of every update op."""
 
     tp_linear: tuple[float, float] = (0.0, 0.0)
     fsdp_unit: tuple[float, float] = (0.0, 0.0)
     optimizer_per_param: float = 0.0
+    optimizer_per_dtensor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -662,7 +665,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                      microbatches, ab) for stage in stages]
     shards = dp if zero >= 1 else 1
     optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
-                 for stage in stages]
+                 + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]
     return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b)
 
 
@@ -672,6 +675,14 @@ def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, di
     linears = sum(len(layer.tp_allreduce_bytes_per_sample) for layer in stage) if tp > 1 else 0
     units = sum(1 for layer in stage if layer.params) if zero >= 2 else 0
     return linears * extra.tp_linear[direction] + units * extra.fsdp_unit[direction]
+
+
+def _dtensors(stage: list[LayerProfile], tp: int, zero: int) -> int:
+    """A stage's parameter tensors that are DTensors on a rank: all of them under FSDP2 (ZeRO-2/3), the split ones
+    under tensor parallelism."""
+    if zero >= 2:
+        return sum(len(layer.tensors) for layer in stage)
+    return sum(p.tp_dim is not None for layer in stage for p in layer.tensors) if tp > 1 else 0
 
 
 def _tp_share(layer: LayerProfile, tp: int) -> float:
