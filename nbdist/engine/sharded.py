@@ -201,50 +201,35 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
         f, b = forward_backward(distributed)
         costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
     if distributed is not None:
-        extra = _optimizer_step_seconds(distributed, optimizer, repeats) - _optimizer_step_seconds(plain, optimizer,
-                                                                                                   repeats)
+        extra = (_optimizer_step_seconds(list(distributed.parameters()), optimizer, repeats)
+                 - _optimizer_step_seconds(list(plain.parameters()), optimizer, repeats))
         costs["optimizer_per_dtensor"] = max(0.0, extra) / len(list(plain.parameters()))
     costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
     return costs
 
 
-def _make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
-    return make(params, lr=0.1)
-
-
-def _optimizer_step_seconds(model: nn.Module, kind: str, repeats: int) -> float:
-    """The median seconds of one optimizer step over `model`'s parameters (gradients of ones). On DTensor
-    parameters (FSDP2, tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that
-    cost about 0.1 ms per tensor, more than the arithmetic of a small model (measured on a 4-block GPT: Adam 5 ms on
-    plain tensors, 10-20 ms on FSDP2 shards of half the elements)."""
+def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
+    """The median seconds of one optimizer step over `params` (gradients of ones). On DTensor parameters (FSDP2,
+    tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that costs about 0.1 ms
+    per tensor, more than the arithmetic of a small model (measured on a 4-block GPT: Adam 5 ms on plain tensors,
+    10-20 ms on FSDP2 shards of half the elements)."""
     import statistics
 
-    for p in model.parameters():
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+            "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
+    for p in params:
         p.grad = torch.ones_like(p)
-    optimizer = _make_optimizer(kind, model.parameters())
+    optimizer = make(params, lr=0.1)
     optimizer.step()
     seconds = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         optimizer.step()
         seconds.append(time.perf_counter() - t0)
-    for p in model.parameters():
+    for p in params:
         p.grad = None
     return statistics.median(seconds)
 
 
 def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
-    import statistics
-
-    param = nn.Parameter(torch.zeros(elements))
-    param.grad = torch.ones(elements)
-    optimizer = _make_optimizer(kind, [param])
-    optimizer.step()
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        optimizer.step()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds) / elements
+    return _optimizer_step_seconds([nn.Parameter(torch.zeros(elements))], kind, repeats) / elements
