@@ -269,11 +269,8 @@ class StageExecutor:
         with torch.no_grad():
             for a in self.program:
                 if a.kind == RECV_F:
-                    shape, dtype = self._message_shape(a)
-                    buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                    request = self.transport.irecv(buffer, self._rank_of(a.peer_stage()), self._tag(a))
-                    state.received[a] = (buffer, request)
-                    request.wait()
+                    self._post_receive(a)
+                    self._receive(a)
                 elif a.kind == FORWARD:
                     self._forward(a)
                     state.stage_inputs.pop((a.stage, a.microbatch))
@@ -386,10 +383,12 @@ class StageExecutor:
                 continue
             posted += 1
             if a not in self.state.received:
-                shape, dtype = self._message_shape(a)
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                request = self.transport.irecv(buffer, self._rank_of(a.peer_stage()), self._tag(a))
-                self.state.received[a] = (buffer, request)
+                self._post_receive(a)
+
+    def _post_receive(self, a: Action) -> None:
+        shape, dtype = self._message_shape(a)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.state.received[a] = (buffer, self.transport.irecv(buffer, self._rank_of(a.peer_stage()), self._tag(a)))
 
     def _message_shape(self, a: Action):
         # an activation into stage s has stage s-1's output shape; a gradient into stage s has stage s's output's
