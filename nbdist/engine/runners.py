@@ -12,6 +12,8 @@ import torch
 from nbdist.engine import registry
 from nbdist.engine.pipeline import restore
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype
+
 
 class ShardedRunner:
     """pp = 1 plans (dp, tp, ZeRO): nbdist's ShardedModel (engine/sharded.py), built by the plan's apply()."""
@@ -45,13 +47,13 @@ class PipelineRunner:
         self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
         self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
         self.optimizer = self.executor.optimizer
+        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.precision)  # each stage's forward: the executor's
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
         from nbdist.engine import pipeline
         from nbdist.schedules.actions import Action
 
         self.executor.apply_optimizer = apply
-        self.executor.autocast_dtype = autocast.fast_dtype if autocast is not None else None
         started = time.perf_counter()
         report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
         wall = time.perf_counter() - started
@@ -64,8 +66,8 @@ class PipelineRunner:
         return {"loss": report["loss"], "comm_s": comm, "idle_s": max(0.0, wall - compute - comm)}
 
     def evaluate(self, x, y, loss_fn, autocast) -> float | None:
-        """Forward only through the stages (executor.evaluate); the loss on the last stage, None elsewhere."""
-        self.executor.autocast_dtype = autocast.fast_dtype if autocast is not None else None
+        """Forward only through the stages (executor.evaluate, under the autocast the executor was given); the loss
+        on the last stage, None elsewhere."""
         return self.executor.evaluate(x if self.first else None, y if self.last else None, loss_fn)
 
     def finish(self) -> None:

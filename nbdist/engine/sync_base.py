@@ -83,6 +83,12 @@ class Synchronizer:
         state() saves."""
         raise NotImplementedError
 
+    @property
+    def lag(self) -> int:
+        """How many steps this strategy lets the replicas run apart before they must meet (0: every step). The
+        Trainer's step boundary waits no more often than this."""
+        return 0
+
     def finish(self) -> None:
         """Bring the replicas to one model (collective). Nothing to do where they never diverge."""
         self.usable()

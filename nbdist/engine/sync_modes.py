@@ -108,6 +108,10 @@ class LocalSGD(Synchronizer):
 
     kind = "local-sgd"
 
+    @property
+    def lag(self) -> int:
+        return self.options["period"]
+
     def step(self, step: int, inputs, targets, loss_fn, microbatches: int = 1) -> dict:
         self.usable()
         period, warmup = self.options["period"], self.options["warmup"]
@@ -146,6 +150,10 @@ class ElasticAveraging(Synchronizer):
     model; alpha x replicas <= 1 keeps it an average (checked in make)."""
 
     kind = "easgd"
+
+    @property
+    def lag(self) -> int:
+        return self.options["tau"]
 
     def __init__(self, model, optimizer, comm, options):
         super().__init__(model, optimizer, comm, options)

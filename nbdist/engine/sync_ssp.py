@@ -65,6 +65,10 @@ class StaleSynchronous(Synchronizer):
 
     # -- the interface --------------------------------------------------------------------------------------------
 
+    @property
+    def lag(self) -> int:
+        return self.bound + 1  # a replica may be `bound` clocks ahead of the slowest, and finish the one after
+
     def step(self, step: int, inputs, targets, loss_fn, microbatches: int = 1) -> dict:
         self.usable()
         start = time.perf_counter()

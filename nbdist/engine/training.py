@@ -99,11 +99,8 @@ class RankTrainer:
         return record
 
     def _autocast(self):
-        precision = self.spec.precision
-        if precision == "fp32":
-            return None
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        dtype = runners.AUTOCAST_DTYPES.get(self.spec.precision)
+        return None if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -231,13 +228,10 @@ class RankTrainer:
 
 
 def _agreement_lag(runner) -> int:
-    """How many steps the replicas may run apart before the step boundary makes them wait (0: every step)."""
+    """How many steps the replicas may run apart before the step boundary makes them wait (0: every step): the
+    synchroniser's own bound (engine/sync_base.Synchronizer.lag); the plans meet every step."""
     sync = getattr(runner, "sync", None)
-    if sync is None:
-        return 0
-    options = sync.options
-    return {"ssp": options.get("staleness", 0) + 1, "local-sgd": options.get("period", 1),
-            "easgd": options.get("tau", 1)}.get(sync.kind, 0)
+    return sync.lag if sync is not None else 0
 
 
 def clip_gradients(params: list, max_norm: float, stages=None) -> float:
