@@ -19,6 +19,7 @@ from nbdist.planner.model import GPT, RECOMPUTE
 from nbdist.units import format_bytes
 from nbdist.viz.cluster_plan import memory_bar_figure, time_breakdown_figure
 from nbdist.viz.display import figure_html
+from nbdist.widgets.controls import Controls
 from nbdist.widgets.figure import PlotlyFigure
 from nbdist.widgets.pipeline_view import HIDE_STATIC_COPY, STATIC_COPY
 from nbdist.widgets.static_copy import WithStaticCopy
@@ -35,9 +36,12 @@ CONTROLS = ("model", "hardware", "tp", "pp", "dp", "chunks", "microbatch", "glob
             "sequence_parallel", "flash_attention")
 
 
-class ClusterPlannerView(WithStaticCopy):
+class ClusterPlannerView(Controls, WithStaticCopy):
     """`view.prediction`: the plan the controls describe (None while a refusal shows); `view.refusal`: the
     refusal's line or None; `view.reason`: why a predicted plan does not fit, or None."""
+
+    CONTROLS = CONTROLS
+    NAME = "the cluster planner"
 
     def __init__(self, model: str | GPT = "GPT 145.6 B (80 layers, 12288)", hw: str = "a100-80gb", tp: int = 8,
                  pp: int = 8, dp: int = 24, chunks: int = 2, microbatch: int = 1, global_batch: int = 2304,
@@ -49,7 +53,6 @@ class ClusterPlannerView(WithStaticCopy):
             model = model.name or "your model"
         self.prediction: Prediction | None = None
         self.refusal: str | None = None
-        self._quiet = False
         self._figures: list = []
         self._make_controls(model, hw, tp, pp, dp, chunks, microbatch, global_batch, zero, recompute,
                             sequence_parallel, flash_attention)
@@ -85,20 +88,6 @@ class ClusterPlannerView(WithStaticCopy):
         return [widgets.HBox([self.model, self.hardware, self.global_batch]),
                 widgets.HBox([self.tp, self.pp, self.dp]), widgets.HBox([self.chunks, self.microbatch]),
                 widgets.HBox([self.zero, self.recompute, self.sequence_parallel, self.flash_attention])]
-
-    def choose(self, **values) -> "ClusterPlannerView":
-        """Set several controls at once (names in CONTROLS) and plan once, as if moved together."""
-        unknown = sorted(set(values) - set(CONTROLS))
-        if unknown:
-            raise DistUsageError(f"the cluster planner has no control {', '.join(unknown)}")
-        self._quiet = True
-        try:
-            for name, value in values.items():
-                getattr(self, name).value = value
-        finally:
-            self._quiet = False
-        self._replan()
-        return self
 
     def _on_change(self, _change) -> None:
         if not self._quiet:

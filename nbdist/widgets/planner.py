@@ -36,6 +36,7 @@ from nbdist.units import format_bytes
 from nbdist.viz.display import figure_html
 from nbdist.viz.plan import layers_html, memory_figure, placement_figure
 from nbdist.viz.timeline import makespan_text, timeline_figure
+from nbdist.widgets.controls import Controls
 from nbdist.widgets.figure import PlotlyFigure
 from nbdist.widgets.static_copy import WithStaticCopy
 from nbdist.widgets.pipeline_view import HIDE_STATIC_COPY, STATIC_COPY
@@ -75,11 +76,14 @@ def parse_counts(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
-class PlannerView(WithStaticCopy):
+class PlannerView(Controls, WithStaticCopy):
     """plan.widget(): controls for the plan's settings, its predictions, Profile and Apply.
 
     `view.plan` is the plan the controls describe (the last possible one while a refusal shows), `view.refusal`
     the refusal's line or None, `view.applied` the model Apply built (`optimizer_fn` is given to Plan.apply)."""
+
+    CONTROLS = CONTROLS
+    NAME = "the planner"
 
     def __init__(self, plan, optimizer_fn: Callable | None = None):
         self.origin = self.plan = plan
@@ -89,7 +93,6 @@ class PlannerView(WithStaticCopy):
         self.applied_plan = None
         self.step: predict.StepTime | None = None
         self._note = ""
-        self._quiet = False
         self._figures: list = []
         self._static_handle = None
         self._make_controls(plan)
@@ -145,30 +148,16 @@ class PlannerView(WithStaticCopy):
                 widgets.HBox([self.balance_by, self.counts]),
                 widgets.HBox([self.profile_button, self.apply_button])]
 
-    def choose(self, **values) -> "PlannerView":
-        """Set several controls at once (by their names: dp, pp, tp, zero, optimizer, microbatches, batch,
-        schedule, chunks, balance_by, counts) and plan once, as if they had been moved together."""
-        unknown = sorted(set(values) - set(CONTROLS))
-        if unknown:
-            raise DistUsageError(f"the planner has no control {', '.join(unknown)}")
-        self._quiet = True
-        try:
-            for name, value in values.items():
-                getattr(self, name).value = value
-            if "schedule" in values and "chunks" not in values:
-                self._chunks_for_schedule()
-        finally:
-            self._quiet = False
-        self._replan()
-        return self
+    def _chosen(self, values: dict) -> None:
+        if "schedule" in values and "chunks" not in values:
+            self._chunks_for_schedule()
 
     def _on_change(self, change) -> None:
         if self._quiet:
             return
         if change["owner"] is self.schedule:
-            self._quiet = True
-            self._chunks_for_schedule()
-            self._quiet = False
+            with self.quietly():
+                self._chunks_for_schedule()
         self._replan()
 
     def _chunks_for_schedule(self) -> None:
@@ -248,9 +237,8 @@ class PlannerView(WithStaticCopy):
         self.chunks.disabled = self.schedule.disabled = self.balance_by.disabled = self.pp.value == 1
         self.counts.disabled = self.pp.value == 1 or self.balance_by.value != "hand"
         if self.counts.disabled and not refused:
-            self._quiet = True
-            self.counts.value = _counts_text(plan)
-            self._quiet = False
+            with self.quietly():
+                self.counts.value = _counts_text(plan)
         self.apply_button.disabled = refused
         self.profile_button.disabled = False
         self.refusal_line.value = (f'<p class="nbdist-refusal" style="color:#B00020">{html.escape(self.refusal)}</p>'
