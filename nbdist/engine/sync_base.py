@@ -33,20 +33,24 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def write(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy `flat` back into `tensors` (each takes its own dtype and device)."""
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, piece in _pieces(flat, tensors):
+            t.copy_(piece)
 
 
 def add(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """tensors += flat, piece by piece."""
-    offset = 0
     with torch.no_grad():
-        for t in tensors:
-            t.add_(flat[offset:offset + t.numel()].view_as(t).to(t.device, t.dtype))
-            offset += t.numel()
+        for t, piece in _pieces(flat, tensors):
+            t.add_(piece.to(t.device, t.dtype))
+
+
+def _pieces(flat: torch.Tensor, tensors: list[torch.Tensor]):
+    """(tensor, the part of `flat` that is its copy, shaped like it), in flatten's order."""
+    offset = 0
+    for t in tensors:
+        yield t, flat[offset:offset + t.numel()].view_as(t)
+        offset += t.numel()
 
 
 def duplicate(comm):
