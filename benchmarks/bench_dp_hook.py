@@ -7,7 +7,7 @@ the same ranks (benchmarks/on_ranks.py, DdpSides):
   mpi    DistributedDataParallel with DDP's defaults (25 MB buckets) + `register_hook(model, "mpi")`: nbdist's hook,
          what "auto" picks on CPU;
   gloo   the same DDP with no hook: DDP's built-in all-reduce over gloo (the anchor);
-  ddp    `nbdist.engine.ddp.ddp(model)` as a notebook gets it: the MPI hook and gradient_as_bucket_view=True
+  ddp    `nbdist.data_parallel.ranks.ddp.ddp(model)` as a notebook gets it: the MPI hook and gradient_as_bucket_view=True
          (shown, not counted: DDP's defaults differ);
   local  the bare model, no DDP: the compute alone, so each side's communication cost is its step minus this.
 

@@ -2,7 +2,7 @@
 """Does torch.distributed over nbdist's MPI backend beat gloo on CPU engines, and come close to raw MPI?
 
 The question (issue 10): a `dist.all_reduce` in a cell on CPU engines, through `--backend mpi` (torch.distributed
-over mpi4py, nbdist/engine/mpi_backend.py) against `--backend gloo`, on 2 and 4 ranks. Targets:
+over mpi4py, nbdist/backend/ranks/mpi_backend.py) against `--backend gloo`, on 2 and 4 ranks. Targets:
 - 1 KiB: at least 20x gloo's speed; 4 MiB: at least 3x;
 - 64 KiB to 64 MiB: within 1.5x of raw mpi4py (`Allreduce` on the tensor's memory), i.e. busbw ratio >= 0.667.
 

@@ -5,7 +5,7 @@ A pipeline's stages exchange one micro-batch's activation (and its gradient) per
 them over MPI directly (MPICH's shared memory, the mesh's pp communicator) rather than through torch.distributed,
 which torch's own pipelining uses: on the CPU default backend (mpi4py, nbdist's torch.distributed over MPI) or on
 gloo (TCP loopback; --backend gloo). This checks that choice: one-way latency (ping-pong round trip / 2)
-of one activation between two engines through each of nbdist's transports (`nbdist.engine.transport.make_transport`
+of one activation between two engines through each of nbdist's transports (`nbdist.pipeline_parallel.ranks.transport.make_transport`
 over the mesh `nbdist.mesh(pp=2)`, as a pipeline makes them), sides interleaved (who goes first rotates), after a
 warm-up; per repetition the median of --count round trips, medians over the repetitions.
 Target: MPI / torch latency <= 1.0 at every size.

@@ -11,7 +11,7 @@ shown with each row's details, not counted.
 
 MPI engines from `nbdist.start(p)`; an MLP of L x (Linear(w, w) + ReLU) split by nbdist, m = 8 micro-batches, MSE
 loss, transport "mpi" (the CPU default), schedules "gpipe" and "1f1b". Two ways, interleaved in every repetition:
-  engine steps   k steps back to back on the ranks (`nbdist.engine.pipeline.step`, as `Pipeline.step` runs it;
+  engine steps   k steps back to back on the ranks (`nbdist.pipeline_parallel.ranks.pipeline.step`, as `Pipeline.step` runs it;
                  each starts with the pipeline's barrier), each recorded in the pipeline as `Pipeline.step`
                  records its own;
   pipe.step()    k calls from this process, `pipe.timeline` after each: what a notebook user sees.

@@ -10,7 +10,7 @@ no optimizer, gradients cleared before every step on both sides. Per schedule ("
   anchor  torch's `ScheduleGPipe` / `Schedule1F1B` over `PipelineStage(its layers, rank, 2, device=cpu)`
 
 measured two ways, samples per second of whole steps (forward and backward of every micro-batch):
-  engine loop    one call per side runs k steps back to back on the ranks (nbdist: `nbdist.engine.pipeline.step`
+  engine loop    one call per side runs k steps back to back on the ranks (nbdist: `nbdist.pipeline_parallel.ranks.pipeline.step`
                  with the arguments `Pipeline.step_args` gives, as `Pipeline.step` runs it; torch:
                  `schedule.step`), timed from a barrier to the last rank's end;
   per-step call  k calls from this process: `pipe.step(x, y, loss)` against `cluster.run_each(torch step)` with the

@@ -13,8 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nbdist.engine import pairs, pipeline, rank_mesh, registry
-from nbdist.engine.transport import make_transport
+from nbdist.pipeline_parallel.ranks import pairs
+from nbdist.pipeline_parallel.ranks import pipeline
+from nbdist.cluster.ranks import rank_mesh
+from nbdist.cluster.ranks import registry
+from nbdist.pipeline_parallel.ranks.transport import make_transport
 
 KIND = "benchmark"
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -25,7 +28,7 @@ TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 def nbdist_steps(args: tuple, k: int) -> dict:
     """k full-speed steps of an nbdist pipeline back to back, each exactly as Pipeline.step runs it
-    (nbdist.engine.pipeline.step with the arguments Pipeline.step_args gives; every step starts with the
+    (nbdist.pipeline_parallel.ranks.pipeline.step with the arguments Pipeline.step_args gives; every step starts with the
     pipeline's barrier). This rank's start and end (perf_counter, after a barrier) and each step's report."""
     dist.barrier()
     start = time.perf_counter()
@@ -34,7 +37,7 @@ def nbdist_steps(args: tuple, k: int) -> dict:
 
 
 def _pair_groups(me, transport: str) -> dict | None:
-    """The torch transport sends over one process group per direction between neighbours (engine/pairs.py), made
+    """The torch transport sends over one process group per direction between neighbours (pipeline_parallel/ranks/pairs.py), made
     once per mesh like a pipeline's (collective: every rank of the world runs pingpong)."""
     if transport != "torch":
         return None
@@ -140,13 +143,13 @@ class DdpSides:
       mpi    DistributedDataParallel with its defaults + nbdist's MPI hook (`register_hook(model, "mpi")`);
       gloo   the same DDP with no hook: DDP's built-in all-reduce over gloo (the anchor);
       local  the bare model, no DDP: the compute alone;
-      ddp    `nbdist.engine.ddp.ddp(model)` as a notebook gets it (MPI hook, gradient_as_bucket_view=True)."""
+      ddp    `nbdist.data_parallel.ranks.ddp.ddp(model)` as a notebook gets it (MPI hook, gradient_as_bucket_view=True)."""
 
     def __init__(self, build: bytes, x, y, lr: float):
         from torch.nn.parallel import DistributedDataParallel
 
-        from nbdist.engine.ddp import ddp
-        from nbdist.engine.hooks import register_hook
+        from nbdist.data_parallel.ranks.ddp import ddp
+        from nbdist.data_parallel.ranks.hooks import register_hook
 
         make = cloudpickle.loads(build)
         self.shard = x, y
@@ -222,7 +225,7 @@ def allreduce_latency(sizes: list[int], count: int, repeats: int) -> dict:
     the first two of each side untimed."""
     from mpi4py import MPI
 
-    from nbdist.engine.hooks import mpi_allreduce_hook
+    from nbdist.data_parallel.ranks.hooks import mpi_allreduce_hook
 
     out = {}
     for nbytes in sizes:

@@ -7,7 +7,7 @@
 Everything a magic does, a function here does too: `start`, `current`, `stop`, `Cluster.run`, `Cluster.execute`.
 
 The package imports its parts on first use (PEP 562): `import nbdist` stays light (no ipyparallel, no torch), and
-the small modules that nbdist's own processes run (`python -m nbdist.lifeline`, `python -m nbdist.engine.main`)
+the small modules that nbdist's own processes run (`python -m nbdist.cluster.lifeline`, `python -m nbdist.cluster.ranks.main`)
 are not already imported by the package when Python runs them as `__main__` (which would warn).
 """
 from __future__ import annotations
@@ -38,14 +38,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Cluster": "nbdist.cluster",
-    "Status": "nbdist.cluster",
-    "current": "nbdist.cluster",
-    "start": "nbdist.cluster",
-    "stop": "nbdist.cluster",
+    "Cluster": "nbdist.cluster.api",
+    "Status": "nbdist.cluster.api",
+    "current": "nbdist.cluster.api",
+    "start": "nbdist.cluster.api",
+    "stop": "nbdist.cluster.api",
     "Pipeline": "nbdist.pipeline_parallel.api",
     "Stepper": "nbdist.pipeline_parallel.stepper",
-    "Mesh": "nbdist.meshes",
+    "Mesh": "nbdist.cluster.mesh",
     "shard": "nbdist.sharding.plan",
     "Plan": "nbdist.sharding.plan",
     "Trainer": "nbdist.training.trainer",
@@ -65,7 +65,7 @@ def pipeline(model, stages=None, schedule="1f1b", microbatches=8, chunks=1, bala
 
 def mesh(cluster=None, **dims: int):
     """Lay named dimensions (e.g. dp=2, pp=2) over the running (or given) cluster's ranks: see Cluster.mesh."""
-    from nbdist.cluster import current
+    from nbdist.cluster.api import current
 
     return (cluster or current()).mesh(**dims)
 

@@ -9,7 +9,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-import nbdist
+from nbdist import cluster as clusters
 from nbdist.errors import DistUsageError, show_errors_in_ipython
 
 
@@ -40,7 +40,7 @@ class DistMagics(Magics):
     def dist_start(self, line: str) -> None:
         """Start MPI engines with torch.distributed initialised on each."""
         args = parse_argstring(self.dist_start, line)
-        cluster = nbdist.start(
+        cluster = clusters.start(
             args.n,
             restart=args.restart,
             cpu=args.cpu,
@@ -54,13 +54,13 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_status(self, line: str) -> None:
         """Show rank, host, pid, device, backend and memory of every engine, and what each rank holds."""
-        display(nbdist.current().status())
+        display(clusters.current().status())
 
     @line_magic
     @_usage_errors
     def dist_stop(self, line: str) -> None:
         """Stop the engines, the controller and mpiexec."""
-        cluster = nbdist.current()
+        cluster = clusters.current()
         cluster.stop()
         print(f"stopped {cluster.world_size} engines")
 
@@ -68,7 +68,7 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_restart(self, line: str) -> None:
         """Fresh engines and process group, e.g. after a hang."""
-        display(nbdist.current().restart().status())
+        display(clusters.current().restart().status())
 
     @magic_arguments()
     @argument("trainer", help="the name of an nbdist.Trainer in the notebook")
@@ -81,8 +81,10 @@ class DistMagics(Magics):
     def dist_train(self, line: str) -> None:
         """Train an nbdist.Trainer: %dist_train tr --steps 100 [--resume ckpt] [--save] (tr.history keeps it)."""
         args = parse_argstring(self.dist_train, line)
+        from nbdist.training.trainer import Trainer
+
         trainer = self.shell.user_ns.get(args.trainer)
-        if not isinstance(trainer, nbdist.Trainer):
+        if not isinstance(trainer, Trainer):
             raise UsageError(f"{args.trainer!r} is not an nbdist.Trainer in this notebook")
         if args.resume:
             trainer.resume(args.resume)
@@ -100,7 +102,7 @@ class DistMagics(Magics):
     def dist(self, line: str, cell: str) -> None:
         """Run the cell on the chosen ranks; output labelled [rank N]."""
         args = parse_argstring(self.dist, line)
-        nbdist.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
+        clusters.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
 
 
 def register(ipython) -> None:

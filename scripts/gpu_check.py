@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing nbdist
 
 import nbdist
-from nbdist.options import ClusterOptions, visible_gpus
+from nbdist.cluster.options import ClusterOptions, visible_gpus
 
 DEFAULT_OUT = REPO / "out" / "gpu_check.json"
 SKIPPED_NO_GPU = "skipped: no GPU"
@@ -594,7 +594,7 @@ def on_rank_touch_cuda() -> dict:
 
     import torch
 
-    from nbdist.engine.boot import boot
+    from nbdist.cluster.ranks.boot import boot
 
     torch.ones(1, device=boot().device).sum().item()
     return {"pid": os.getpid()}
@@ -604,7 +604,7 @@ def on_rank_versions() -> dict:
     """What the engine runs: torch, its CUDA and NCCL, the device's name (each feature-tested: any torch)."""
     import torch
 
-    from nbdist.engine.boot import boot
+    from nbdist.cluster.ranks.boot import boot
 
     out = {"torch": torch.__version__, "cuda": getattr(torch.version, "cuda", None), "device": boot().device}
     if out["device"].startswith("cuda"):
@@ -628,7 +628,7 @@ def on_rank_collectives(where: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine.boot import boot
+    from nbdist.cluster.ranks.boot import boot
 
     device = torch.device(boot().device if where == "engine" else "cpu")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -672,9 +672,9 @@ def on_rank_ddp_hooks(steps: int, atol: float) -> dict:
     import torch
     from torch import nn
 
-    from nbdist.engine import hooks
-    from nbdist.engine.boot import boot
-    from nbdist.engine.ddp import ddp
+    from nbdist.data_parallel.ranks import hooks
+    from nbdist.cluster.ranks.boot import boot
+    from nbdist.data_parallel.ranks.ddp import ddp
     from nbdist.errors import DistUsageError
 
     device = torch.device(boot().device)
@@ -712,14 +712,14 @@ def on_rank_ddp_hooks(steps: int, atol: float) -> dict:
 
 
 def on_rank_synchronised_step(args: tuple) -> dict:
-    """One pipeline step as Pipeline.step runs it (nbdist.engine.pipeline.step), with the GPU idle before and after
+    """One pipeline step as Pipeline.step runs it (nbdist.pipeline_parallel.ranks.pipeline.step), with the GPU idle before and after
     (torch.cuda.synchronize), so that the wall time includes all of its GPU work."""
     import time
 
     import torch
 
-    from nbdist.engine import pipeline
-    from nbdist.engine.boot import boot
+    from nbdist.pipeline_parallel.ranks import pipeline
+    from nbdist.cluster.ranks.boot import boot
 
     on_gpu = boot().device.startswith("cuda")
     if on_gpu:

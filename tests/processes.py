@@ -5,7 +5,7 @@ import time
 
 import psutil
 
-MARKERS = ("ipyparallel.controller", "nbdist.engine.main", "nbdist.lifeline", "hydra_pmi_proxy", "mpiexec")
+MARKERS = ("ipyparallel.controller", "nbdist.cluster.ranks.main", "nbdist.cluster.lifeline", "hydra_pmi_proxy", "mpiexec")
 
 
 def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:

@@ -12,10 +12,10 @@ from kernel_driver import ANSI
 from processes import wait_until_gone
 
 import nbdist
-from nbdist import lifeline
+from nbdist.cluster import lifeline
 from nbdist.errors import DistError, DistUsageError
-from nbdist.cluster_files import remove_stale_profile_dirs
-from nbdist.launch import _hydra_files
+from nbdist.cluster.files import remove_stale_profile_dirs
+from nbdist.cluster.launch import _hydra_files
 
 
 def _all_reduce_ranks():
@@ -106,7 +106,7 @@ def test_rank_raising_while_other_waits_in_all_reduce(cluster, capsys):
 
 def test_on_gloo_a_rank_stuck_in_all_reduce_costs_a_restart():
     """gloo's waits cannot be interrupted: the same case ends with the engines restarted (said in the line)."""
-    from nbdist.options import ClusterOptions
+    from nbdist.cluster.options import ClusterOptions
 
     with nbdist.Cluster(ClusterOptions(n=2, backend="gloo")) as gloo:
         started = time.monotonic()
@@ -141,7 +141,7 @@ def test_start_while_running_keeps_the_cluster(cluster, capsys):
 
 def test_stop_leaves_no_process():
     """A separate cluster (the shared one keeps running): stop, and every one of its processes is gone."""
-    with nbdist.Cluster(nbdist.options.ClusterOptions(n=2)) as c:
+    with nbdist.Cluster(nbdist.cluster.options.ClusterOptions(n=2)) as c:
         procs = c.processes()
         assert len(procs) >= 4  # controller, mpiexec, proxy, 2 engines
         temp_files = _hydra_files(procs)  # MPICH's topology files in /tmp
@@ -188,10 +188,10 @@ def test_lifeline_removes_only_its_kernels_directory(tmp_path):
 
 
 def test_lifeline_module_runs_without_warning():
-    """`python -m nbdist.lifeline` (how the controller starts) must not find itself already imported by the
+    """`python -m nbdist.cluster.lifeline` (how the controller starts) must not find itself already imported by the
     package: that prints a RuntimeWarning into JupyterLab's server log at every stop."""
     run = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", "nbdist.lifeline", str(os.getpid()), "platform"],
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "nbdist.cluster.lifeline", str(os.getpid()), "platform"],
         capture_output=True, text=True, timeout=60,
     )
     assert (run.returncode, run.stderr) == (0, "")
@@ -207,7 +207,7 @@ def test_import_nbdist_is_light_and_its_names_are_there():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["[]", "nbdist.cluster nbdist.cluster nbdist.cluster nbdist.errors"]
+    assert run.stdout.splitlines() == ["[]", "nbdist.cluster.api nbdist.cluster.api nbdist.cluster.api nbdist.errors"]
 
 
 def test_subpackages_are_reachable_from_the_package_without_importing_them_first():
@@ -215,7 +215,7 @@ def test_subpackages_are_reachable_from_the_package_without_importing_them_first
         "import nbdist\n"
         "print(round(nbdist.schedules.build('gpipe', 2, 2).simulate().bubble_fraction, 6))\n"
         "print(callable(nbdist.collectives.benchmark), callable(nbdist.collectives.trace), nbdist.Mesh.__name__)\n"
-        "print(nbdist.meshes.layout(4, dp=2, pp=2).groups('pp'))"
+        "print(nbdist.cluster.mesh.layout(4, dp=2, pp=2).groups('pp'))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -226,8 +226,8 @@ def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path,
     """e.g. a multi-host run's controller_ip, set in the user's profile, still applies to nbdist's cluster."""
     import ipyparallel as ipp
 
-    from nbdist.cluster_files import new_profile_dir
-    from nbdist.options import ClusterOptions
+    from nbdist.cluster.files import new_profile_dir
+    from nbdist.cluster.options import ClusterOptions
 
     user_profile = tmp_path / "ipython" / "profile_default"
     user_profile.mkdir(parents=True)

@@ -14,7 +14,7 @@ from nbdist import planner
 from nbdist.errors import DistUsageError
 from nbdist.planner import memory, pipeline, published
 from nbdist.planner.layout import groups, shape
-from nbdist.widgets.cluster_planner import ClusterPlannerView
+from nbdist.planner.widget import ClusterPlannerView
 
 A100 = planner.hardware("a100-80gb")
 GB = 1e9

@@ -1,6 +1,6 @@
-"""Hand-built all-reduce (ring, tree, recursive doubling; nbdist/engine/allreduce.py) on a real 8-engine cluster,
+"""Hand-built all-reduce (ring, tree, recursive doubling; nbdist/collectives/ranks/allreduce.py) on a real 8-engine cluster,
 against dist.all_reduce, traced from the notebook (nbdist/collectives/tracing.py), and the one cost table
-(nbdist.collectives.costs) against what the algorithms really send.
+(nbdist.cost.collectives) against what the algorithms really send.
 
 One 8-engine cluster covers 2 to 8 ranks: the algorithms take a process group, and `trace(world_size=n)` runs
 them on the group of ranks 0..n-1 (3, 5 and 6 are the non-power-of-two cases: the tree's missing partners and
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.collectives import benchmark, costmodel, costs, message_counts, trace
+from nbdist.collectives import benchmark, costmodel, message_counts, trace
+from nbdist.cost import collectives as costs
 from nbdist.collectives.tracing import Trace
 from nbdist.errors import DistError, DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 NAMES = ["ring", "tree", "recursive-doubling"]
 RANKS = [2, 3, 4, 5, 6, 8]
@@ -94,7 +95,8 @@ def _direct_call(name: str, n: int):
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import allreduce, groups
+    from nbdist.collectives.ranks import allreduce
+    from nbdist.cluster.ranks import groups
 
     group = groups.first_ranks(n)
     if dist.get_rank() >= n:
@@ -119,7 +121,7 @@ def test_in_place_on_integer_non_contiguous_tensors(eight, name):
 def _bool_all_reduce():
     import torch
 
-    from nbdist.engine.allreduce import ring_all_reduce
+    from nbdist.collectives.ranks.allreduce import ring_all_reduce
 
     ring_all_reduce(torch.ones(3, dtype=torch.bool))
 
@@ -224,7 +226,7 @@ def test_trace_repr_says_what_ran(eight):
 
 def _engine_break_ring(broken: bool) -> None:
     """Fault injection on this rank: the ring's result off by one after it ran (the record stays the real one)."""
-    from nbdist.engine import allreduce
+    from nbdist.collectives.ranks import allreduce
 
     if broken:
         real = allreduce.ALGORITHMS["ring"]
@@ -276,7 +278,7 @@ def test_the_groups_made_for_traces_live_in_the_engine_registry(eight):
 def test_one_spelling_of_each_name_on_both_sides():
     """The engines' algorithms and the figures' styles are keyed by the cost table's names, and only the table
     knows the alias."""
-    from nbdist.engine import allreduce
+    from nbdist.collectives.ranks import allreduce
     from nbdist.viz.collectives import ALGORITHM_STYLES
 
     assert tuple(allreduce.ALGORITHMS) == tuple(ALGORITHM_STYLES) == costs.ALGORITHMS
@@ -287,4 +289,4 @@ def test_one_spelling_of_each_name_on_both_sides():
     spelled = {str(path.relative_to(package)) for path in package.rglob("*.py")
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Constant) and node.value == "recursive_doubling"}
-    assert spelled == {"collectives/costs.py"}  # the alias, as a string, in one module
+    assert spelled == {"cost/collectives.py"}  # the alias, as a string, in one module

@@ -94,7 +94,7 @@ def test_ranks_picks_the_first_ranks(cluster):
 def _engine_break_expected(broken: bool) -> None:
     import importlib
 
-    cls = importlib.import_module("nbdist.engine.collective_timing").Collective
+    cls = importlib.import_module("nbdist.collectives.ranks.collective_timing").Collective
     if broken:
         cls._original_expected = cls.expected
         cls.expected = lambda self: cls._original_expected(self) + 1
@@ -115,7 +115,7 @@ def test_a_wrong_result_raises_naming_op_via_and_size(cluster):
 def _engine_torch_lacks_ops(lacking: bool) -> None:
     import importlib
 
-    cls = importlib.import_module("nbdist.engine.collective_timing").Collective
+    cls = importlib.import_module("nbdist.collectives.ranks.collective_timing").Collective
     if lacking:
         def unsupported(self):
             def call():

@@ -1,4 +1,4 @@
-"""Devices and backends (nbdist/engine/devices.py, boot.py, options.py): one GPU per engine, "cpu:gloo,cuda:nccl"
+"""Devices and backends (nbdist/cluster/ranks/devices.py, boot.py, cluster/options.py): one GPU per engine, "cpu:gloo,cuda:nccl"
 on GPU engines, honest refusals.
 
 No GPU here, so the GPU rules are checked with the GPU count injected (they are pure functions of it), and what
@@ -17,11 +17,11 @@ import torch.distributed as dist
 from test_hooks import assert_params_close, build_model, serial
 
 import nbdist
-from nbdist.cluster import Status
-from nbdist.engine import devices
-from nbdist.engine.devices import CPU_BACKEND, CPU_ENGINE, GPU_BACKEND, MPI_ENGINE, Binding, backend_for, bind, check_world
+from nbdist.cluster.api import Status
+from nbdist.cluster.ranks import devices
+from nbdist.cluster.ranks.devices import CPU_BACKEND, CPU_ENGINE, GPU_BACKEND, MPI_ENGINE, Binding, backend_for, bind, check_world
 from nbdist.errors import DistError, DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 # -- which device, which backend (GPU count injected) ------------------------------------------------------------
 
@@ -43,7 +43,7 @@ def test_mpi_means_a_cpu_engine_on_nbdists_mpi_backend_whatever_the_gpus():
 
 
 def test_auto_without_gpus_is_a_cpu_engine_on_the_mpi_backend():
-    """The CPU default is nbdist's torch.distributed over MPI (engine/mpi_backend.py), gloo only when asked for."""
+    """The CPU default is nbdist's torch.distributed over MPI (backend/ranks/mpi_backend.py), gloo only when asked for."""
     assert bind("auto", False, local_rank=1, ranks_on_host=2, gpus=0, host="h") == MPI_ENGINE == Binding("cpu", "mpi4py")
     assert MPI_ENGINE.gpu_index is None and CPU_ENGINE.gpu_index is None and CPU_BACKEND == "gloo"
 
@@ -185,7 +185,7 @@ def _cpu_tensors_and_backend() -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine.boot import boot
+    from nbdist.cluster.ranks.boot import boot
 
     t = torch.ones(2) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -207,7 +207,7 @@ def test_a_cpu_cluster_reduces_cpu_tensors_and_shows_its_backend(cluster):
 
 
 def test_backend_mpi_starts_cpu_engines_whose_process_group_is_nbdists_mpi_backend():
-    """`%dist_start --backend mpi`: every torch.distributed call of a cell goes through MPI (engine/mpi_backend.py)."""
+    """`%dist_start --backend mpi`: every torch.distributed call of a cell goes through MPI (backend/ranks/mpi_backend.py)."""
     with nbdist.Cluster(ClusterOptions(n=2, backend="mpi")).start() as mpi_cluster:
         for r in mpi_cluster.run(_cpu_tensors_and_backend):
             assert torch.equal(r["sum"], torch.tensor([3.0, 3.0]))
@@ -222,9 +222,9 @@ def _device_map_group() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine import hooks
-    from nbdist.engine.collective_timing import Collective
-    from nbdist.engine.devices import backend_for
+    from nbdist.data_parallel.ranks import hooks
+    from nbdist.collectives.ranks.collective_timing import Collective
+    from nbdist.cluster.ranks.devices import backend_for
     from nbdist.errors import DistUsageError
 
     group = dist.new_group(backend="cpu:gloo")  # collective: every rank

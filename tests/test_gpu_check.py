@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nbdist.engine.hooks import HOOKS
+from nbdist.data_parallel.ranks.hooks import HOOKS
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 CHECKS = [  # in the order the script runs them; True: needs CUDA

@@ -1,4 +1,4 @@
-"""DDP communication hooks (nbdist/engine/hooks.py) on a real 2-engine cluster: MPI all-reduce equals torch's (gloo)
+"""DDP communication hooks (nbdist/data_parallel/ranks/hooks.py) on a real 2-engine cluster: MPI all-reduce equals torch's (gloo)
 and the serial model; the compression hooks send fewer bytes and still train; top-k's error feedback loses nothing; bad
 input is refused. On a real 4-engine cluster: the MPI hooks on process groups that are not the whole world (a
 mesh's dp dimension, and groups of no mesh), each group averaging only within itself."""
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.engine import hooks
+from nbdist.data_parallel.ranks import hooks
 from nbdist.errors import DistError, DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 ATOL = 1e-6
 LR = 0.1
@@ -38,7 +38,7 @@ def _train(hook: str | None, steps: int, **options) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine.hooks import register_hook
+    from nbdist.data_parallel.ranks.hooks import register_hook
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_model())
@@ -67,7 +67,7 @@ def _topk_bookkeeping(ratio: float, steps: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine import hooks
+    from nbdist.data_parallel.ranks import hooks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_model(), bucket_cap_mb=0.01)  # several buckets, regrouped after step 1
@@ -110,7 +110,7 @@ def _accumulate(no_sync: bool, steps: int, k: int = 2) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine.ddp import ddp
+    from nbdist.data_parallel.ranks.ddp import ddp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = ddp(build_model(), hook="mpi", bucket_cap_mb=0.01)
@@ -132,8 +132,8 @@ def _bad_input() -> list[str]:
     """The errors register_hook and ddp raise on this rank, as 'Type: message'."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine.ddp import ddp
-    from nbdist.engine.hooks import register_hook
+    from nbdist.data_parallel.ranks.ddp import ddp
+    from nbdist.data_parallel.ranks.hooks import register_hook
 
     model = DistributedDataParallel(build_model())
     attempts = [
@@ -161,8 +161,8 @@ def _auto_and_ddp(backend: str | None = None) -> dict:
     """ddp() with hook "auto" on the world's process group, or on a new group of every rank on `backend`."""
     import torch.distributed as dist
 
-    from nbdist.engine.ddp import ddp
-    from nbdist.engine.hooks import choose
+    from nbdist.data_parallel.ranks.ddp import ddp
+    from nbdist.data_parallel.ranks.hooks import choose
 
     group = None if backend is None else dist.new_group(backend=backend)  # collective: every rank
     model = ddp(build_model(), bucket_cap_mb=1, process_group=group)
@@ -319,8 +319,8 @@ def _powersgd_two_buckets(through_ddp: bool):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine.ddp import ddp
-    from nbdist.engine.hooks import register_hook
+    from nbdist.data_parallel.ranks.ddp import ddp
+    from nbdist.data_parallel.ranks.hooks import register_hook
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 8))
@@ -388,8 +388,9 @@ def _train_replica(where, hook: str, steps: int, **options) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine import groups, rank_mesh
-    from nbdist.engine.hooks import register_hook
+    from nbdist.cluster.ranks import groups
+    from nbdist.cluster.ranks import rank_mesh
+    from nbdist.data_parallel.ranks.hooks import register_hook
 
     if isinstance(where, list):
         made = [groups.torch_group(ranks) for ranks in where]

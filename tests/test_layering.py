@@ -1,10 +1,11 @@
-"""The package's layers, read from its source: drawing depends on data only, no import cycles, and what runs on the
-engines is told apart from what runs in the notebook kernel by module (nbdist/engine/ against the rest).
+"""The package's layers, read from its source: drawing depends on data only, no import cycles, the capabilities'
+folders stand in layers, and what runs on the engines is told apart from what runs in the notebook kernel by path.
 
-The rule (README, Layout): everything that runs ON the engines lives under nbdist/engine/ and never imports a kernel
-module; everything else runs in the kernel (or is plain data that runs anywhere) and imports neither
-torch.distributed nor mpi4py at module level. A kernel module may refer to an engine function to send it
-(`cluster.run(nbdist.engine.x.f, ...)`) but defines none of its own to send.
+The rule (ARCHITECTURE.md): code under a `ranks/` folder runs ON the engines (torch.distributed, MPI, CUDA); code
+outside runs in the kernel (or is plain data that runs anywhere) and imports neither torch.distributed nor mpi4py at
+module level. A rank module imports rank modules, the plain data every floor shares, and its own feature's shared
+part (a spec), never a kernel-only module. A kernel module may refer to a rank function to send it
+(`cluster.run(nbdist.cluster.ranks.boot.info)`) but defines none of its own to send.
 
 Imports are read with `ast` from every nbdist/**/*.py, at module level and inside functions; only `if
 TYPE_CHECKING:` blocks are left out (they never run). The viz check runs real imports in a fresh interpreter.
@@ -23,15 +24,26 @@ import pytest
 import nbdist
 
 PACKAGE = Path(nbdist.__file__).parent
-ENGINE = "nbdist.engine"
-KERNEL_ONLY = ("nbdist.cluster", "nbdist.lifeline_server", "nbdist.widgets", "nbdist.viz", "nbdist.remote", "nbdist.magics", "nbdist.launch",
-               "nbdist.collectives.sweep", "nbdist.collectives.tracing", "nbdist.collectives.costmodel",
-               "nbdist.sharding.plan", "nbdist.sharding.sharded", "nbdist.training.trainer",
-               "nbdist.training.checkpoints")
+KERNEL_ONLY = ("nbdist.cluster.api", "nbdist.cluster.lifeline_server", "nbdist.cluster.remote", "nbdist.cluster.launch",
+               "nbdist.widgets", "nbdist.viz", "nbdist.magics", "nbdist.collectives.sweep",
+               "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.sharding.plan",
+               "nbdist.sharding.sharded", "nbdist.sharding.widget", "nbdist.pipeline_parallel.api",
+               "nbdist.pipeline_parallel.view", "nbdist.training.trainer", "nbdist.training.dashboard",
+               "nbdist.training.checkpoints", "nbdist.planner")
 ENGINE_ONLY_LIBRARIES = ("torch.distributed", "torch.nn.parallel", "mpi4py")  # torch.nn.parallel: DDP
-COMPUTING = (ENGINE, "nbdist.cluster", "nbdist.remote", "nbdist.launch", "nbdist.collectives.sweep",
+COMPUTING = ("nbdist.cluster.api", "nbdist.cluster.remote", "nbdist.cluster.launch", "nbdist.collectives.sweep",
              "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.pipeline_parallel")
 SENDERS = ("run", "run_each", "apply", "apply_async", "apply_sync", "map", "map_async")  # ways to ship a function
+# The imports that run back up the folders' layers, each with its reason (ARCHITECTURE.md names them too).
+BACK_UP = {
+    ("nbdist.schedules.simulate", "nbdist.viz.timeline"):
+        "Timeline.figure(): a simulated or measured timeline draws itself where users ask for it; the drawing reads "
+        "the schedules' action kinds",
+}
+
+
+def is_rank_side(module: str) -> bool:
+    return ".ranks." in module + "."
 
 
 def module_name(path: Path) -> str:
@@ -174,25 +186,30 @@ def test_the_reader_finds_imports_at_both_levels():
     """The graph the cycle tests read is not empty by mistake: known edges are in it, at the right level."""
     sweep = IMPORTS["nbdist.collectives.sweep"]
     assert "nbdist.collectives.ops" in sweep.of_nbdist(module_level_only=True)
-    assert "nbdist.engine.collective_timing" in sweep.of_nbdist() - sweep.of_nbdist(module_level_only=True)
+    assert "nbdist.collectives.ranks.collective_timing" in sweep.of_nbdist() - sweep.of_nbdist(module_level_only=True)
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    sample = read("nbdist.sample", "from nbdist.engine import boot\ndef f(): pass\n"
+    sample = read("nbdist.sample", "from nbdist.cluster.ranks import boot\ndef f(): pass\n"
                                    "def g(cluster, h):\n    cluster.run(f); cluster.run(h); cluster.run(lambda: 1)\n"
                                    "    cluster.run(boot.info)\n")
-    assert [name for name, _ in sample.sent_own] == ["f", "lambda"]  # h is a parameter, boot.info engine code
-    assert sample.found == [("nbdist.engine.boot", 1, True)]
+    assert [name for name, _ in sample.sent_own] == ["f", "lambda"]  # h is a parameter, boot.info rank code
+    assert sample.found == [("nbdist.cluster.ranks.boot", 1, True)]
 
 
-# -- (c) the engines' code and the kernel's, by module ---------------------------------------------------------------
+# -- (c) the engines' code and the kernel's, by path ---------------------------------------------------------------
 
-KERNEL_MODULES = sorted(m for m in MODULES if not within(m, ENGINE))
-ENGINE_MODULES = sorted(m for m in MODULES if within(m, ENGINE))
+KERNEL_MODULES = sorted(m for m in MODULES if not is_rank_side(m))
+RANK_MODULES = sorted(m for m in MODULES if is_rank_side(m))
+
+
+def feature(module: str) -> str:
+    """The capability a module belongs to: nbdist.pipeline_parallel.ranks.executor -> nbdist.pipeline_parallel."""
+    return ".".join(module.split(".")[:2])
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
 def test_kernel_module_imports_no_engine_library_at_module_level(module):
     found = [(t, line) for t, line, top in IMPORTS[module].found if top and within(t, ENGINE_ONLY_LIBRARIES)]
-    assert found == [], f"{module} imports {found} at module level: engine code belongs under nbdist/engine/"
+    assert found == [], f"{module} imports {found} at module level: engine code belongs under a ranks/ folder"
 
 
 @pytest.mark.parametrize("module", KERNEL_MODULES)
@@ -202,7 +219,47 @@ def test_kernel_module_sends_no_function_of_its_own_to_the_ranks(module):
     assert IMPORTS[module].sent_own == []
 
 
-@pytest.mark.parametrize("module", ENGINE_MODULES)
-def test_engine_module_imports_no_kernel_module(module):
+@pytest.mark.parametrize("module", RANK_MODULES)
+def test_rank_module_imports_no_kernel_module(module):
     found = [(t, line) for t, line, _ in IMPORTS[module].found if within(t, KERNEL_ONLY)]
     assert found == [], f"{module} imports kernel modules {found}"
+
+
+@pytest.mark.parametrize("module", RANK_MODULES)
+def test_rank_module_imports_only_its_own_features_shared_part(module):
+    """A rank half reads what both halves share in its own feature (a spec); another feature's kernel half never."""
+    found = [(t, line) for t, line, _ in IMPORTS[module].found
+             if t in MODULES and not is_rank_side(t) and t not in SHARED and feature(t) != feature(module)]
+    assert found == [], f"{module} imports another feature's kernel-side modules {found}"
+
+
+SHARED = {m for m in MODULES if within(m, ("nbdist.errors", "nbdist.checks", "nbdist.units", "nbdist.wire",
+                                           "nbdist.models", "nbdist.data", "nbdist.schedules", "nbdist.cost",
+                                           "nbdist.layout", "nbdist.cluster.mesh"))}  # plain data, every floor
+
+
+# -- (d) the folders stand in layers ----------------------------------------------------------------------------------
+
+
+def room(module: str) -> str:
+    """A top-level folder or module of the package: the unit the layers are drawn in."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_folders_stand_in_layers_with_only_the_named_imports_running_back_up():
+    """Drawn in layers (a folder above all it imports), no import runs back up except those named in BACK_UP:
+    with those left out, the folders' graph has no cycle."""
+    graph: dict[str, set[str]] = {}
+    for m, imports in IMPORTS.items():
+        for t in imports.of_nbdist() - {"nbdist"}:
+            if room(m) != room(t) and (m, t) not in BACK_UP:
+                graph.setdefault(room(m), set()).add(room(t))
+    assert cycles(graph) == []
+    assert len(BACK_UP) <= 3
+    for m, t in BACK_UP:
+        assert t in IMPORTS[m].of_nbdist(), f"{m} no longer imports {t}: take it out of BACK_UP"
+
+
+def test_no_package_module_is_over_450_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}

@@ -1,4 +1,4 @@
-"""What a rank holds, measured (nbdist/engine/memory.py): parameters, gradients and optimizer state by storage, and
+"""What a rank holds, measured (nbdist/cluster/ranks/memory.py): parameters, gradients and optimizer state by storage, and
 the activations autograd saves for backward. In one process against hand counts; on a real 2-rank cluster,
 ZeroRedundancyOptimizer and FSDP2 against what the plan predicts for them (nbdist/sharding/predict.py)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.engine.memory import ActivationMeter, state_bytes
+from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.sharding.predict import predict_memory, profile_layers, zero1_shares
 from test_predict import gpt, tokens
 
@@ -101,7 +101,7 @@ def zero1_on_rank(build, x, y) -> dict:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from nbdist.engine.memory import state_bytes
+    from nbdist.cluster.ranks.memory import state_bytes
 
     model = build()
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
@@ -117,8 +117,8 @@ def fsdp2_on_rank(build, x, y, reshard: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nbdist.engine import zero
-    from nbdist.engine.memory import state_bytes
+    from nbdist.sharding.ranks import zero
+    from nbdist.cluster.ranks.memory import state_bytes
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = zero.shard(build(), mesh, 3 if reshard else 2)  # per layer and the root; 3 reshards after forward
@@ -141,7 +141,7 @@ def tensor_parallel_on_rank(build, x) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from nbdist.engine.memory import ActivationMeter, state_bytes
+    from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
     from nbdist.sharding.predict import tp_plan
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -4,8 +4,8 @@ import pytest
 
 import nbdist
 from nbdist.errors import DistUsageError
-from nbdist.meshes import layout
-from nbdist.options import ClusterOptions
+from nbdist.cluster.mesh import layout
+from nbdist.cluster.options import ClusterOptions
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def _view(m):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from nbdist.engine import rank_mesh
+    from nbdist.cluster.ranks import rank_mesh
 
     me = rank_mesh.here(m)
     out = {"coords": me.coords}

@@ -1,4 +1,4 @@
-"""The mpi4py torch.distributed backend (nbdist/engine/mpi_backend.py) on a real 4-engine MPI cluster.
+"""The mpi4py torch.distributed backend (nbdist/backend/ranks/mpi_backend.py) on a real 4-engine MPI cluster.
 
 Every operation runs twice on the same inputs, once on a gloo group and once on an mpi4py group of the same ranks,
 and the results must agree: exactly for integers, bools, min and max and for data moved unchanged, within 1e-6
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def every_op(k: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import groups, mpi_backend, registry
+    from nbdist.cluster.ranks import groups
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import registry
 
     mpi_backend.register()
     ranks = list(range(k))
@@ -280,7 +282,9 @@ def ddp_steps() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.engine import groups, mpi_backend, registry
+    from nbdist.cluster.ranks import groups
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import registry
 
     mpi_backend.register()
     world = list(range(dist.get_world_size()))
@@ -307,7 +311,9 @@ def in_groups(kind: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import groups, mpi_backend, registry
+    from nbdist.cluster.ranks import groups
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import registry
 
     mpi_backend.register()
     layouts = ([0, 2], [1, 3], [1, 2, 3])
@@ -340,7 +346,9 @@ def waits_in_all_reduce(fail_rank: int):
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import groups, mpi_backend, registry
+    from nbdist.cluster.ranks import groups
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import registry
 
     mpi_backend.register()
     pair = registry.get_or_make("group", "test-mpi4py:pair", lambda: groups.Held(
@@ -357,7 +365,7 @@ def all_reduce_on(name: str):
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import registry
+    from nbdist.cluster.ranks import registry
 
     pair = registry.get("group", name).handle
     if dist.get_rank() not in (0, 1):
@@ -371,7 +379,7 @@ def keep(value=None) -> tuple:
     """Keep `value` in this rank's registry (when given); return (pid, what is kept)."""
     import os
 
-    from nbdist.engine import registry
+    from nbdist.cluster.ranks import registry
 
     if value is not None:
         registry.put("test", "kept", value)
@@ -379,7 +387,7 @@ def keep(value=None) -> tuple:
 
 
 def renew():
-    from nbdist.engine import mpi_backend
+    from nbdist.backend.ranks import mpi_backend
 
     return mpi_backend.renew()
 
@@ -391,7 +399,9 @@ def alone_in_a_short_group():
     import torch
     import torch.distributed as dist
 
-    from nbdist.engine import groups, mpi_backend, registry
+    from nbdist.cluster.ranks import groups
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import registry
 
     mpi_backend.register()
     short = registry.get_or_make("group", "test-mpi4py:short", lambda: groups.Held("test short", (0, 1), dist.new_group(

@@ -1,4 +1,4 @@
-"""Training on `--backend mpi` (torch.distributed over MPI, engine/mpi_backend.py) equals one process: DDP, FSDP2
+"""Training on `--backend mpi` (torch.distributed over MPI, backend/ranks/mpi_backend.py) equals one process: DDP, FSDP2
 (reshard after forward on and off), DTensor tensor parallelism and the pipeline, three optimizer steps each
 (float32, atol 1e-5). The libraries run unchanged: every collective they issue goes through the MPI backend."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 ATOL = 1e-5
 STEPS = 3
@@ -64,7 +64,7 @@ def train_fsdp2(build, data, reshard: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nbdist.engine import zero
+    from nbdist.sharding.ranks import zero
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = zero.shard(build(), mesh, 3 if reshard else 2)  # stage 3 reshards after forward, stage 2 does not

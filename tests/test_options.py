@@ -1,9 +1,9 @@
 """Option validation happens in the kernel before any process starts: one clear line per problem."""
 import pytest
 
-from nbdist.cluster import parse_rank_spec
+from nbdist.cluster.api import parse_rank_spec
 from nbdist.errors import DistUsageError
-from nbdist.options import ClusterOptions, max_cpu_engines
+from nbdist.cluster.options import ClusterOptions, max_cpu_engines
 
 
 @pytest.mark.parametrize(

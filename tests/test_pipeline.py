@@ -8,7 +8,7 @@ from torch import nn
 
 import nbdist
 from nbdist.errors import DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 from nbdist.pipeline_parallel.pipedream import pipedream_reference
 from nbdist.schedules import NAMES, build
 

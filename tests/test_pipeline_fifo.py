@@ -5,7 +5,7 @@ import torch
 
 import nbdist
 from nbdist.errors import DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 from nbdist.schedules import NAMES, Schedule
 from test_pipeline import LOSS, ATOL, assert_same_grads, build_model, serial
 

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.engine import pipeline as on_ranks
+from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 ATOL = 1e-5
 STEPS = 3

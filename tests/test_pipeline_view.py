@@ -17,7 +17,7 @@ from nbdist.pipeline_parallel.stepping import action_ticks, state_at, tick_timel
 from nbdist.schedules import build
 from nbdist.schedules.simulate import Timeline
 from nbdist.viz.display import figure_html
-from nbdist.widgets.pipeline_view import stats_html
+from nbdist.pipeline_parallel.view import stats_html
 
 CHROMIUM = "/usr/bin/chromium"
 PLOTLY_BUNDLE = "plotly.js v"  # the bundle's licence header: once per copy of plotly.js

@@ -22,12 +22,12 @@ import torch
 import nbdist
 from nbdist import data, models
 from nbdist.errors import DistUsageError
-from nbdist.meshes import layout
-from nbdist.options import ClusterOptions
+from nbdist.cluster.mesh import layout
+from nbdist.cluster.options import ClusterOptions
 from nbdist.sharding.predict import RankMemory, micro_batch_size
 from nbdist.units import format_bytes
 from nbdist.viz.plan import LAYER_COLUMNS, MEMORY_PARTS, layers_html, memory_figure, placement_figure
-from nbdist.widgets.planner import PlannerView
+from nbdist.sharding.widget import PlannerView
 
 CONFIG = dict(vocab=256, seq=16, layers=4, hidden=32, heads=4)
 PARTS = list(MEMORY_PARTS)  # params, grads, optimizer, activations

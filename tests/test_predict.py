@@ -1,5 +1,5 @@
 """A plan's predicted memory and step time (nbdist/sharding/predict.py) against hand counts, the ZeRO paper's
-figures, and what the memory meter (nbdist/engine/memory.py) measures in this process.
+figures, and what the memory meter (nbdist/cluster/ranks/memory.py) measures in this process.
 
 One process, no cluster: the predictions are plain data; the 2-rank checks of ZeRO and FSDP2 against these
 predictions are in tests/test_memory_meter.py.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nbdist.collectives.costmodel import AlphaBeta
-from nbdist.engine.memory import ActivationMeter, state_bytes
+from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.errors import DistUsageError
 from nbdist.schedules.generators import build
 from nbdist.sharding.predict import (

@@ -22,7 +22,7 @@ import torch
 import nbdist
 from nbdist import data, models
 from nbdist.errors import DistUsageError
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 ATOL = 1e-5
 STEPS = 3

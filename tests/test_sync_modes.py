@@ -1,4 +1,4 @@
-"""The Trainer's synchronisation strategies (nbdist/engine/sync_modes.py, sync_ssp.py) on real MPI clusters of 2 and
+"""The Trainer's synchronisation strategies (nbdist/training/ranks/sync_modes.py, sync_ssp.py) on real MPI clusters of 2 and
 4 engines, each against a reference that does not share its code:
 
 - local SGD: torch's own post-local SGD (DDP with the post-local SGD hook, PostLocalSGDOptimizer over a
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions
 
 LR, MOMENTUM = 0.05, 0.9
 LOCAL = 8  # samples per replica and step
@@ -52,7 +52,7 @@ def train(model_fn, batch, kind: str, options: dict, steps: int, microbatches: i
     import torch
     from mpi4py import MPI
 
-    from nbdist.engine import sync_modes
+    from nbdist.training.ranks import sync_modes
 
     rank = MPI.COMM_WORLD.rank
     model = model_fn()
@@ -233,7 +233,8 @@ def fails_while_others_wait(model_fn, batch, kind: str, options: dict, fail_rank
     import torch
     from mpi4py import MPI
 
-    from nbdist.engine import registry, sync_modes
+    from nbdist.cluster.ranks import registry
+    from nbdist.training.ranks import sync_modes
 
     rank = MPI.COMM_WORLD.rank
     model = model_fn()
@@ -253,7 +254,7 @@ def step_again(model_fn, batch, kind: str) -> tuple[int, str]:
 
     import torch
 
-    from nbdist.engine import registry
+    from nbdist.cluster.ranks import registry
 
     sync = registry.get("test-sync", kind)
     error = "none"
@@ -291,7 +292,7 @@ def bad_options(cases: list) -> list[str]:
     import torch
     from mpi4py import MPI
 
-    from nbdist.engine import sync_modes
+    from nbdist.training.ranks import sync_modes
 
     messages = []
     for kind, options in cases:

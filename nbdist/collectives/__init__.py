@@ -9,7 +9,7 @@ ops.py          the benchmarked ops as data: names, chunked or not, element size
 What runs ON the engines lives in nbdist.engine: allreduce.py (ring, tree, recursive doubling over point-to-point
 messages), collective_timing.py (the benchmark's timed loops), hooks.py (DDP communication hooks: MPI all-reduce,
 fp16, bf16, top-k, PowerSGD), ddp.py (`ddp(model, hook="auto")`), compat.py (all_gather_single /
-reduce_scatter_single on every torch). In a %%dist cell: `from nbdist.engine.allreduce import ring_all_reduce`.
+reduce_scatter_single on every torch). In a %%dist cell: `from nbdist.collectives.ranks.allreduce import ring_all_reduce`.
 
 Names are imported on first use, so `import nbdist` stays light: `import nbdist; nbdist.collectives.benchmark(...)`.
 """

@@ -5,7 +5,7 @@
 the rows of a benchmark sweep (nbdist.collectives.benchmark).
 
 With α and β taken as the cost of one message, an n-rank all-reduce that takes k steps with c critical-path bytes
-costs k·α + c·β. The steps and bytes of each algorithm come from one table, `nbdist.collectives.costs` (which a
+costs k·α + c·β. The steps and bytes of each algorithm come from one table, `nbdist.cost.collectives` (which a
 test checks against what the hand-built algorithms really send):
 
     ring                 2(n-1)·α + 2(n-1)/n·S·β    reduce-scatter then all-gather around a ring: 2(n-1) steps,
@@ -47,13 +47,13 @@ from typing import Iterable
 
 import numpy as np
 
-from nbdist.collectives import costs
+from nbdist.cost import collectives as costs
 from nbdist.errors import DistUsageError
 
 
 def coefficients(algorithm: str, n: int) -> tuple[float, float]:
     """(multiple of α, multiple of S·β) in the cost of an n-rank all-reduce by `algorithm`: its steps and its
-    critical-path bytes per byte of S, from the one table (nbdist.collectives.costs)."""
+    critical-path bytes per byte of S, from the one table (nbdist.cost.collectives)."""
     return costs.coefficients(algorithm, n)
 
 

@@ -1,5 +1,5 @@
 """The collectives the benchmark times, as plain data read on both sides: the notebook checks requests against it
-(nbdist/collectives/sweep.py), the engines build buffers from it (nbdist/engine/collective_timing.py)."""
+(nbdist/collectives/sweep.py), the engines build buffers from it (nbdist/collectives/ranks/collective_timing.py)."""
 from __future__ import annotations
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

@@ -33,7 +33,7 @@ of iterations to rise above the clock and the loop's own cost); every rank uses 
 max-reduction), since a collective must be called equally often everywhere.
 
 This module is the notebook's side: it validates the request (before any collective starts), sends the timed loops
-of nbdist/engine/collective_timing.py to the ranks and makes rows of their reports. The ops and their buffers are
+of nbdist/collectives/ranks/collective_timing.py to the ranks and makes rows of their reports. The ops and their buffers are
 plain data (nbdist/collectives/ops.py), read on both sides.
 """
 from __future__ import annotations
@@ -86,8 +86,8 @@ def benchmark(
     Everything is validated here, before any collective starts: a bad request raises DistUsageError and leaves
     no rank waiting in a collective.
     """
-    from nbdist.cluster import current
-    from nbdist.engine import collective_timing  # sent to the engines by reference: they import it themselves
+    from nbdist.cluster.api import current
+    from nbdist.collectives.ranks import collective_timing  # sent to the engines by reference: they import it themselves
 
     cluster = cluster or current()
     ops, vias, sizes = _parse(ops, OPS, "op"), _parse(via, VIAS, "via"), _parse_sizes(sizes)

@@ -5,7 +5,7 @@ compares it with `dist.all_reduce`, and merges every rank's record into one list
     t                       # <ring all-reduce on 4 ranks, 1024 floats: 6 steps, matches dist.all_reduce (...)>
     t.figure()              # one frame per step, a slider (nbdist.viz.collective_steps)
 
-The algorithms themselves run on the engines (nbdist/engine/allreduce.py); this module only sends them and reads
+The algorithms themselves run on the engines (nbdist/collectives/ranks/allreduce.py); this module only sends them and reads
 what comes back. Whether the result matches the library is measured, not assumed: `max_diff` is the largest
 |ours - dist.all_reduce| over ranks and elements, and `matches_library` compares it with a tolerance that scales
 with the sum (the library adds in another order, so the last bits may differ). A trace that differs is still
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nbdist.checks import is_whole, whole_number
-from nbdist.collectives import costs
+from nbdist.cost import collectives as costs
 from nbdist.errors import DistError, DistUsageError
 
 RELATIVE_TOLERANCE = 1e-5  # of the largest |sum| (at least 1): the library adds in another order, last bits differ
@@ -91,8 +91,8 @@ def trace(algorithm: str, world_size: int | None = None, size: int = 1024, clust
     0..world_size-1 of the cluster (default: all) on random float32 tensors of `size` elements, compare it with
     `dist.all_reduce` of the same tensors (`Trace.matches_library`), and return every rank's record merged step by
     step. `.figure()` draws it."""
-    from nbdist.cluster import current
-    from nbdist.engine import allreduce  # sent to the engines by reference: they import it themselves
+    from nbdist.cluster.api import current
+    from nbdist.collectives.ranks import allreduce  # sent to the engines by reference: they import it themselves
 
     algorithm = costs.canonical(algorithm)  # one spelling, one alias, checked in one place
     cluster = cluster or current()

@@ -13,7 +13,7 @@ A pipeline runs on the `pp` dimension of a mesh, one pipeline per data-parallel 
 stages sit on the ranks of each pp group and each stage's gradients are averaged over its dp group before the
 optimizer steps. `stages=p` without a mesh is the mesh pp=p on ranks 0..p-1. With `chunks` v each rank holds v
 model pieces, so the model is cut into p*v stages. The notebook kernel only cuts the model and infers message shapes
-on torch's "meta" device; all real compute happens on the engines (nbdist/engine/pipeline.py).
+on torch's "meta" device; all real compute happens on the engines (nbdist/pipeline_parallel/ranks/pipeline.py).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from nbdist.checks import one_of, whole_number
-from nbdist.cluster import Cluster, current
-from nbdist.engine import pairs
-from nbdist.engine import pipeline as on_ranks
+from nbdist.cluster.api import Cluster, current
+from nbdist.pipeline_parallel.ranks import pairs
+from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.gathered import GatheredModel
-from nbdist.meshes import Mesh
+from nbdist.models.gathered import GatheredModel
+from nbdist.cluster.mesh import Mesh
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
 from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
@@ -303,7 +303,7 @@ class Pipeline(GatheredModel):
 
     def widget(self):
         """A live view (measured Gantt, the ideal beneath, busy/idle, bubble); later steps update it as they run."""
-        from nbdist.widgets.pipeline_view import PipelineView
+        from nbdist.pipeline_parallel.view import PipelineView
 
         self.view = PipelineView(self)
         if self.recent:
@@ -403,7 +403,7 @@ def portable(fn: Callable | None) -> bytes | None:
     builder or loss written in a notebook cell runs on the engines even if they never imported torch."""
     import cloudpickle
 
-    from nbdist.tracebacks import remember_source
+    from nbdist.cluster.tracebacks import remember_source
 
     if fn is None:
         return None

@@ -2,7 +2,7 @@
 
 Plain data (the model travels as the user's builder function, cloudpickled, or as the stage modules themselves):
 the kernel makes one StageSpec per rank of the mesh (nbdist/pipeline_parallel/api.py) and the rank builds its
-executor from it (nbdist/engine/pipeline.py). Everything the executor reads about its place in the world is here,
+executor from it (nbdist/pipeline_parallel/ranks/pipeline.py). Everything the executor reads about its place in the world is here,
 named, instead of spread over positional arguments and attributes set after construction.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ class StageSpec:
 
     name: str  # the pipeline's name on the ranks (registry key)
     number: int  # unique among this kernel's pipelines: part of every message tag
-    mesh: str  # the mesh's name on the ranks (nbdist/engine/rank_mesh.py)
+    mesh: str  # the mesh's name on the ranks (nbdist/cluster/ranks/rank_mesh.py)
     replicas: int  # data-parallel replicas (the mesh's dp size; 1 without dp)
     pipeline_rank: int  # this rank's coordinate along pp: its rank in the schedule
     pipeline_ranks: int  # p: ranks per pipeline (stage s sits on pipeline rank s mod p)

@@ -11,7 +11,7 @@ place in `pipe.timeline`. With data parallelism every replica advances by the sa
 """
 from __future__ import annotations
 
-from nbdist.engine import pipeline as on_ranks
+from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.errors import DistUsageError
 from nbdist.pipeline_parallel.stepping import TickState, state_at, tick_timeline, total_ticks
 from nbdist.schedules.simulate import Timeline
@@ -99,7 +99,7 @@ class Stepper:
 
     def widget(self):
         """Step / Run / Reset buttons over the live view; the measured Gantt grows tick by tick."""
-        from nbdist.widgets.pipeline_view import PipelineView
+        from nbdist.pipeline_parallel.view import PipelineView
 
         self.view = self.pipe.view = PipelineView(self.pipe, stepper=self)
         self.view.refresh(self.timeline, final=True, tick_state=self.state())

@@ -14,7 +14,7 @@ the frontier), published.py (published runs the planner is checked against), loc
 CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the engines.
 """
 from nbdist.planner.catalog import hardware
-from nbdist.planner.profiles import PROFILES, Hardware, Link
+from nbdist.cost.hardware import PROFILES, Hardware, Link
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, gpt
 from nbdist.planner.frontier import SearchResult, search

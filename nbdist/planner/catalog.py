@@ -6,7 +6,7 @@ from dataclasses import fields, replace
 from nbdist.checks import one_of
 from nbdist.errors import DistUsageError
 from nbdist.planner import local
-from nbdist.planner.profiles import PROFILES, Hardware
+from nbdist.cost.hardware import PROFILES, Hardware
 
 NAMES = (*PROFILES, "local")
 

@@ -24,7 +24,7 @@ from nbdist.planner import step
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, RECOMPUTE
 from nbdist.planner.prediction import Prediction, predict_shape
-from nbdist.planner.profiles import Hardware
+from nbdist.cost.hardware import Hardware
 from nbdist.units import format_bytes
 
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from nbdist.checks import one_of, whole_number
 from nbdist.errors import DistUsageError
-from nbdist.planner.profiles import Hardware, Link
+from nbdist.cost.hardware import Hardware, Link
 from nbdist.planner.model import GPT, RECOMPUTE
 
 

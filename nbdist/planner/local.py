@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from nbdist.planner.profiles import GiB, Hardware, Link
+from nbdist.cost.hardware import GiB, Hardware, Link
 
 PROBE_FEATURES = 512  # the matmul probe: (tokens × 512) @ (512 × 512), forward and backward
 PROBE_TOKENS = 2048

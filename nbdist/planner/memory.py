@@ -17,7 +17,7 @@ recomputation, one block's full activations while it is recomputed; plus the las
 """
 from __future__ import annotations
 
-from nbdist.planner.profiles import HALF, Hardware
+from nbdist.cost.hardware import HALF, Hardware
 from nbdist.planner.layout import Shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import peak_held

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from nbdist.checks import one_of
 from nbdist.planner import memory as mem
 from nbdist.planner import step
-from nbdist.planner.profiles import Hardware
+from nbdist.cost.hardware import Hardware
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import PipelineRun

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from nbdist.planner.model import GPT, gpt
 from nbdist.planner.prediction import Prediction, predict
 from nbdist.planner.catalog import hardware
-from nbdist.planner.profiles import Hardware
+from nbdist.cost.hardware import Hardware
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
 MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3"

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from nbdist.planner import memory, ops, pipeline
-from nbdist.planner.profiles import Hardware
+from nbdist.cost.hardware import Hardware
 from nbdist.planner.layout import Placement, Shape, groups, place
 from nbdist.planner.model import GPT
 

@@ -12,7 +12,7 @@ anything runs: the product must be the world size, tp must divide the heads and 
 have as many layers as stages. The kernel builds the model once on CPU to profile it (parameters, activation
 bytes per layer: nbdist/sharding/predict.py); the ranks build their own copies from `model_fn`.
 
-pp = 1 runs nbdist/engine/sharded.py (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor parallel); pp > 1 runs
+pp = 1 runs nbdist/sharding/ranks/sharded.py (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor parallel); pp > 1 runs
 nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Callable
 from torch import nn
 
 from nbdist.checks import one_of, whole_number
-from nbdist.cluster import Cluster, current
-from nbdist.engine import sharded as on_ranks
+from nbdist.cluster.api import Cluster, current
+from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.meshes import Mesh, layout
+from nbdist.cluster.mesh import Mesh, layout
 from nbdist.pipeline_parallel.api import portable
 from nbdist.sharding import predict
 
@@ -205,8 +205,8 @@ class Plan:
 
     def widget(self):
         """The planner (JupyterLab): this plan's controls, the model's layers, per-rank predicted memory and step
-        time redrawn as a control moves, and an Apply button (nbdist/widgets/planner.py)."""
-        from nbdist.widgets.planner import PlannerView
+        time redrawn as a control moves, and an Apply button (nbdist/sharding/widget.py)."""
+        from nbdist.sharding.widget import PlannerView
 
         return PlannerView(self)
 

@@ -450,7 +450,7 @@ def _layout(layers: Sequence[LayerProfile], pp: int, boundaries, microbatches: i
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds at its peak, by kind (what nbdist.engine.memory.state_bytes and ActivationMeter
+    """Bytes one rank holds at its peak, by kind (what nbdist.cluster.ranks.memory.state_bytes and ActivationMeter
     measure on a rank)."""
 
     params: int
@@ -578,7 +578,7 @@ def default_alpha_beta() -> "AlphaBeta":
 @dataclass(frozen=True)
 class Overheads:
     """What the libraries cost beyond a layer's own compute and the bytes they move, measured on the engines by
-    micro-benchmarks (nbdist/engine/sharded.py, mechanism_costs), seconds per micro-batch:
+    micro-benchmarks (nbdist/sharding/ranks/sharded.py, mechanism_costs), seconds per micro-batch:
     `tp_linear`: (forward, backward) per tensor-parallel Linear (DTensor's dispatch and redistribution);
     `fsdp_unit`: (forward, backward) per FSDP2 unit (its hooks, gathers and scatters of small shards);
     `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind);

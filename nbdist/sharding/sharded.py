@@ -3,7 +3,7 @@
 The same face as Pipeline: `step(inputs, targets, loss_fn) -> loss` trains one step on the global batch (each
 replica gets its share; the tp ranks of a replica get the same share), `state_dict()` and `grads()` gather the
 whole model under the unsplit keys, `timeline` is the last step's measured forward and backward per rank. The
-ranks' side is nbdist/engine/sharded.py.
+ranks' side is nbdist/sharding/ranks/sharded.py.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from nbdist.engine import sharded as on_ranks
+from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.gathered import GatheredModel
+from nbdist.models.gathered import GatheredModel
 from nbdist.pipeline_parallel.api import check_batch, portable
 from nbdist.schedules.simulate import Timeline
 from nbdist.sharding import predict

@@ -1,2 +1,2 @@
 """Training runs from the notebook: nbdist.Trainer (trainer.py), its history (history.py), checkpoints
-(checkpoints.py); the loop itself runs on the ranks (nbdist/engine/training.py)."""
+(checkpoints.py); the loop itself runs on the ranks (nbdist/training/ranks/training.py)."""

@@ -1,5 +1,5 @@
 """Finding and checking checkpoints from the notebook (kernel side): which folder to resume from, and one clear
-line when it cannot be read. The writing happens on the ranks (nbdist/engine/checkpoint.py)."""
+line when it cannot be read. The writing happens on the ranks (nbdist/training/ranks/checkpoint.py)."""
 from __future__ import annotations
 
 import os

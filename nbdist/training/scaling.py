@@ -322,7 +322,7 @@ def _check_batches(counts: list[int], batch_size: int | None, per_rank: int | No
 
 
 def _check_cluster_options(options: dict) -> dict:
-    from nbdist.options import ClusterOptions
+    from nbdist.cluster.options import ClusterOptions
 
     unknown = sorted(set(options) - ClusterOptions.names())
     if unknown:
@@ -341,7 +341,7 @@ def _visit_order(counts: list[int], options: dict) -> list[int]:
 
 def _running():
     """The current cluster (nbdist.current()), or None when none runs."""
-    from nbdist.cluster import current
+    from nbdist.cluster.api import current
 
     try:
         return current()
@@ -350,14 +350,14 @@ def _running():
 
 
 def _same_options(cluster, n: int, options: dict) -> bool:
-    from nbdist.options import ClusterOptions
+    from nbdist.cluster.options import ClusterOptions
 
     return cluster.options == ClusterOptions(n=n, **options).resolved()
 
 
 def _cluster_with(n: int, options: dict):
     """The current cluster if it has n engines and the options asked for, else a fresh one (nbdist.start)."""
-    from nbdist.cluster import start
+    from nbdist.cluster.api import start
 
     running = _running()
     if running is not None and running.world_size == n and _same_options(running, n, options):

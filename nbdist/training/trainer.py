@@ -7,8 +7,8 @@
     tr.save(); tr.state_dict(); tr.step
     tr = nbdist.Trainer(...same...).resume("ckpt")   # after %dist_restart, on any engine count
 
-The ranks run the loop (nbdist/engine/training.py), read their own batches and checkpoint with DCP
-(nbdist/engine/checkpoint.py); this side builds the plan, sends one call per `fit`, draws what the ranks publish
+The ranks run the loop (nbdist/training/ranks/training.py), read their own batches and checkpoint with DCP
+(nbdist/training/ranks/checkpoint.py); this side builds the plan, sends one call per `fit`, draws what the ranks publish
 (nbdist/training/dashboard.py) and keeps the history: one record per step with the loss, the learning rate and,
 per rank, the step's compute, communication and idle seconds.
 """
@@ -23,8 +23,8 @@ import sys
 from typing import Callable
 
 from nbdist.checks import one_of, whole_number
-from nbdist.cluster import Cluster, current
-from nbdist.engine import training as on_ranks
+from nbdist.cluster.api import Cluster, current
+from nbdist.training.ranks import training as on_ranks
 from nbdist.errors import DistInterrupt, DistUsageError
 from nbdist.pipeline_parallel.api import portable
 from nbdist.training import checkpoints
@@ -156,7 +156,7 @@ class Trainer:
         wait=False: training goes on in the background and the notebook stays free (the cluster itself is busy
         until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
         steps = self._steps(steps, epochs)
-        from nbdist.widgets.dashboard import Dashboard
+        from nbdist.training.dashboard import Dashboard
 
         view = Dashboard.open(self, steps, always=self.live == "always") if self.live else None
         if not wait:

@@ -1,7 +1,7 @@
 """An all-reduce step by step, from `nbdist.collectives.trace(...)`: who sends which chunk where, what each rank holds.
 
 Drawn from the trace's data only (its algorithm, ranks, chunk sizes, steps and verdict against dist.all_reduce); the
-phases that add come from the one cost table (nbdist.collectives.costs, plain data).
+phases that add come from the one cost table (nbdist.cost.collectives, plain data).
 
 One frame per step, chosen with a slider (or played). Ranks sit on a circle (ring, recursive doubling) or as the
 binomial tree (tree). Each message of the step is an arrow labelled with its chunk, orange where the receiver adds
@@ -16,7 +16,7 @@ import math
 
 import plotly.graph_objects as go
 
-from nbdist.collectives.costs import REDUCING_PHASES
+from nbdist.cost.collectives import REDUCING_PHASES
 
 ADD_COLOUR, COPY_COLOUR = "#F58518", "#4C78A8"
 DIFFERS_COLOUR = "#D62728"  # a result that is not dist.all_reduce's

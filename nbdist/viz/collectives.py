@@ -4,7 +4,7 @@ Both are log-log: sizes from a kilobyte to tens of megabytes and times from micr
 only show their shape on logarithmic axes (a line of slope 1 in time is pure bandwidth, a flat one pure latency).
 Colour tells the operation (or the algorithm), dash tells the way: torch.distributed solid, MPI dashed. Drawn from
 data only: benchmark rows (dicts) and a fitted model's numbers; the algorithms' names and legends come from the one
-cost table (nbdist.collectives.costs, plain data).
+cost table (nbdist.cost.collectives, plain data).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
-from nbdist.collectives import costs
+from nbdist.cost import collectives as costs
 from nbdist.units import format_bytes
 
 OP_COLOURS = {

@@ -11,6 +11,11 @@ from IPython.display import display
 
 from nbdist.viz.display import claim_loader, plotly_loader_html
 
+STATIC_COPY = "nbdist-static-copy"
+# rendered with the widget: a live JupyterLab / Notebook 7 shows the widget, so its static copy is not shown twice
+HIDE_STATIC_COPY = (f"<style>.jp-LabShell .{STATIC_COPY}, .jp-NotebookShell .{STATIC_COPY} "
+                    "{display: none !important}</style>")
+
 
 class WithStaticCopy:
     widget = None

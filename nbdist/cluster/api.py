@@ -1,0 +1,432 @@
+"""The notebook-side face of the engines: start, run, execute, status, restart, stop.
+
+Everything is addressed by MPI rank, never by ipyparallel engine id (ids change after restarts and need not match
+ranks). `nbdist.current()` is the cluster the magics use; a notebook normally has one.
+"""
+from __future__ import annotations
+
+import atexit
+import html
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from nbdist.cluster import launch
+from nbdist.checks import is_whole
+from nbdist.cluster.deaths import DeathWatch
+from nbdist.cluster.ranks import boot
+from nbdist.cluster.ranks import gpu_sync
+from nbdist.cluster.ranks import rank_mesh
+from nbdist.cluster.ranks import registry
+from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
+from nbdist.cluster.mesh import Mesh, layout
+from nbdist.cluster.options import ClusterOptions
+from nbdist.cluster.remote import SHOW_MODES, OutputRelay, Waiter
+from nbdist.units import format_bytes
+
+_current: "Cluster | None" = None
+_running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
+_generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
+GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
+
+
+@dataclass
+class Status:
+    """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
+    and in a terminal (text).
+
+    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "mpi4py" on CPU engines (nbdist's torch.distributed over MPI; "gloo" when asked for),
+    "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors through NCCL, CPU tensors through gloo). A friendlier name
+    would be one more thing to translate. GPU memory is what NVML says the process holds (context, NCCL buffers,
+    torch's cache); where NVML cannot see the process, torch's cache only, and the cell says so.
+    """
+
+    rows: list[dict]
+    startup_seconds: float | None = None
+    holdings: list[dict] = field(default_factory=list)  # rank, kind, name, bytes, what
+
+    HEADER = ("rank", "host", "pid", "device", "backend", "memory")
+    HOLDINGS_HEADER = ("rank", "holds", "name", "tensors", "what")
+
+    @staticmethod
+    def _cells(row: dict) -> list[str]:
+        memory = f"{row['rss_mib']:.0f} MiB"
+        if "gpu_mib" in row:
+            whose = "" if row.get("gpu_memory") == "nvml" else ", torch's cache only"
+            memory += f" (+{row['gpu_mib']:.0f} MiB GPU{whose})"
+        return [str(row["rank"]), row["host"], str(row["pid"]), row["device"], row["backend"], memory]
+
+    @staticmethod
+    def _holding_cells(row: dict) -> list[str]:
+        return [str(row["rank"]), row["kind"], row["name"], format_bytes(row["bytes"]), row["what"]]
+
+    def _footer(self) -> list[str]:
+        if self.startup_seconds is None:
+            return []
+        return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
+
+    def _holdings_note(self) -> list[str]:
+        return [] if self.holdings else ["the ranks hold no nbdist objects (pipelines, meshes, groups)"]
+
+    def __str__(self) -> str:
+        lines = _text_table(self.HEADER, [self._cells(r) for r in self.rows]) + self._footer()
+        if self.holdings:
+            lines += [""] + _text_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
+        return "\n".join(lines + self._holdings_note())
+
+    def _repr_html_(self) -> str:
+        out = _html_table(self.HEADER, [self._cells(r) for r in self.rows])
+        out += "".join(f"<p>{line}</p>" for line in self._footer())
+        if self.holdings:
+            out += _html_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
+        return out + "".join(f"<p>{html.escape(line)}</p>" for line in self._holdings_note())
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Cluster:
+    """An MPI world of ipyparallel engines with torch.distributed initialised on each.
+
+    Use `nbdist.start()` rather than constructing one; a Cluster is also a context manager that stops on exit.
+    """
+
+    def __init__(self, options: ClusterOptions):
+        self.options = options.resolved()
+        self._launched: launch.Launched | None = None
+        self._engine_of_rank: list[int] = []
+        self._info: list[dict] = []
+        self.startup_seconds: float | None = None
+        self.generation: int | None = None  # which start this is: objects made on older engines are stale
+        self.meshes: dict[str, Mesh] = {}  # the meshes built on these engines, by name (Cluster.mesh)
+        self._ended = False  # an engine died, which ended the MPI job: restart before use
+        self._reserved: tuple | None = None  # (thread, what): a background run owns the engines until it ends
+
+    # -- life cycle -----------------------------------------------------------------------------------------------
+
+    def start(self) -> "Cluster":
+        show_errors_in_ipython()  # `import nbdist; nbdist.start()` in IPython shows errors as %load_ext does
+        started = time.perf_counter()
+        try:
+            self._launched = launch.start(self.options)
+            infos = self._launched.client[self._launched.engine_ids].apply_sync(boot.info)
+        except BaseException as e:
+            self.stop()
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, DistInterrupt):
+                raise DistInterrupt("interrupted during start-up; nbdist stopped what it had started") from e
+            raise
+        infos = sorted(zip(infos, self._launched.engine_ids), key=lambda pair: pair[0]["rank"])
+        self._info = [info for info, _ in infos]
+        self._engine_of_rank = [engine_id for _, engine_id in infos]
+        self.startup_seconds = time.perf_counter() - started
+        self.generation = next(_generations)
+        self.meshes = {}
+        self._ended = False
+        _running.add(self)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._launched is not None
+
+    @property
+    def world_size(self) -> int:
+        return len(self._engine_of_rank)
+
+    @property
+    def devices(self) -> list[str]:
+        """Each rank's device ("cpu", "cuda:0", ...), as the engines reported it at start."""
+        return [row["device"] for row in self._info]
+
+    @property
+    def hosts(self) -> list[str]:
+        """Each rank's host name, as the engines reported it at start."""
+        return [row["host"] for row in self._info]
+
+    def stop(self) -> None:
+        """Stop every engine, the controller and mpiexec; nothing is left running."""
+        launched, self._launched = self._launched, None
+        _running.discard(self)
+        if launched is None:
+            return
+        try:
+            launched.client.close(linger=0)
+        except Exception:
+            pass
+        launch.stop_processes(launched.cluster)
+
+    def processes(self) -> list:
+        """The cluster's processes (psutil.Process): controller, mpiexec, proxies, engines."""
+        return launch.processes(self._launched.cluster) if self._launched else []
+
+    def restart(self) -> "Cluster":
+        """Fresh engines and process group with the same options (e.g. after a hang)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "Cluster":
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- work -----------------------------------------------------------------------------------------------------
+
+    def _require_running(self) -> launch.Launched:
+        if self._launched is None:
+            raise DistUsageError("the cluster is stopped: start it with %dist_start or nbdist.start()")
+        if self._ended:
+            raise DistUsageError("an engine died, which ended the MPI job: %dist_restart (or cluster.restart()) "
+                                 "starts fresh engines")
+        if self._reserved is not None and threading.current_thread() is not self._reserved[0]:
+            raise DistUsageError(f"the cluster is busy: {self._reserved[1]} (wait() for it or stop() it first)")
+        return self._launched
+
+    def reserve(self, thread, what: str) -> None:
+        """Only `thread` may use the engines until release(thread): a background run owns them."""
+        if self._reserved is not None:
+            raise DistUsageError(f"the cluster is busy: {self._reserved[1]}")
+        self._reserved = (thread, what)
+
+    def release(self, thread) -> None:
+        if self._reserved is not None and self._reserved[0] is thread:
+            self._reserved = None
+
+    def _parse_ranks(self, ranks: Sequence[int] | str | None) -> list[int]:
+        if ranks is None or ranks == "all":
+            return list(range(self.world_size))
+        chosen = parse_rank_spec(ranks, self.world_size) if isinstance(ranks, str) else list(ranks)
+        bad = [r for r in chosen if not is_whole(r) or not 0 <= r < self.world_size]
+        if bad or not chosen:
+            raise DistUsageError(f"ranks {ranks!r} are not in 0..{self.world_size - 1}")
+        return chosen
+
+    def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None, progress=None) -> Waiter:
+        return Waiter(
+            progress=progress,
+            ar=ar,
+            ranks=ranks,
+            pids={row["rank"]: (row["host"], row["pid"]) for row in self._info},
+            restart=self.restart,
+            engines_alive=self._engines_alive,
+            timeout=timeout,
+            relay=OutputRelay(ranks, show) if show is not None else None,
+            after_failure=self._back_in_step,
+            death=self._death_watch().check,
+            after_death=self._after_death,
+        )
+
+    def _death_watch(self) -> DeathWatch:
+        engines = next(iter(self._require_running().cluster.engines.values()), None)
+        return DeathWatch({row["rank"]: (row["host"], row["pid"]) for row in self._info},
+                          getattr(engines, "output_file", None))
+
+    def _after_death(self) -> str:
+        """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the
+        error names the dead rank at once rather than after the seconds a restart takes."""
+        self._ended = True
+        return "%dist_restart (or cluster.restart()) starts fresh engines; engine variables are lost"
+
+    def _back_in_step(self) -> str:
+        """After a rank failed and the engines survived: GPUs synchronised (or the engines restarted), then nbdist's
+        MPI groups renewed. Returns what was done, for the error line ("" when nothing needed doing)."""
+        generation = self.generation
+        done = self._gpus_in_step() if any(d.startswith("cuda") for d in self.devices) else ""
+        if self.generation != generation:  # restarted: fresh engines hold no group to renew
+            return done
+        return "; ".join(part for part in (done, self._renew_mpi_groups()) if part)
+
+    def _renew_mpi_groups(self) -> str:
+        """After ranks were interrupted inside an operation of nbdist's MPI backend, its groups are out of step (MPI
+        cannot cancel a collective): every rank gives each of them a fresh communicator (engine/mpi_backend.renew),
+        and the engines and their variables are kept. Said only where some rank gave up an operation."""
+        from nbdist.backend.ranks import mpi_backend
+
+        try:
+            renewed = self._view(list(range(self.world_size))).apply_async(mpi_backend.renew).get(timeout=60)
+        except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
+            return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
+        count = max((len(r["renewed"]) for r in renewed), default=0)
+        if not any(r["broken"] for r in renewed):
+            return ""  # no operation was given up: renewed quietly (a stray message may have been left behind)
+        return f"their {count} MPI group(s) renewed, engine variables kept"
+
+    def _gpus_in_step(self) -> str:
+        """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
+        wrong operation. Every rank synchronises its GPU within GPU_SYNC_SECONDS; if one cannot, the only safe way
+        back is fresh engines (cluster/ranks/gpu_sync.py). Returns what was done, for the error line."""
+        ranks = list(range(self.world_size))
+        try:
+            ar = self._view(ranks).apply_async(gpu_sync.synchronise, GPU_SYNC_SECONDS)
+            finished = ar.get(timeout=GPU_SYNC_SECONDS + 10)
+        except Exception:
+            finished = [False] * len(ranks)
+        behind = [r for r, ok in zip(ranks, finished) if ok is not True]
+        if not behind:
+            return f"every rank's GPU work then completed (synchronised within {GPU_SYNC_SECONDS:g} s): in step"
+        self.restart()
+        return (f"rank(s) {', '.join(map(str, behind))} still had GPU work waiting after {GPU_SYNC_SECONDS:g} s "
+                "(an NCCL operation the failed rank never joined), so nbdist restarted the engines: fresh processes "
+                "and process group, engine variables lost")
+
+    def _engines_alive(self) -> bool:
+        launched = self._launched
+        return launched is not None and all(es.state == "running" for es in launched.cluster.engines.values())
+
+    def _view(self, ranks: list[int]):
+        client = self._require_running().client
+        return client[[self._engine_of_rank[r] for r in ranks]]
+
+    def run(self, fn: Callable, *args: Any, ranks=None, timeout: float | None = None, **kwargs: Any) -> list:
+        """Call fn(*args, **kwargs) on each rank; return the results in rank order.
+
+        fn may be defined in a notebook cell. As with ipyparallel's %px, the global names it uses are looked up on
+        the engine (where a %%dist cell's variables live), so import inside fn what it needs. Output printed by fn
+        is shown from rank 0; an exception on any rank raises DistError naming the rank, after freeing the others.
+        """
+        chosen = self._parse_ranks(ranks)
+        ar = self._view(chosen).apply_async(fn, *args, **kwargs)
+        return self._waiter(ar, chosen, timeout, show={chosen[0]}).wait()
+
+    def run_each(self, fn: Callable, args_by_rank: dict, timeout: float | None = None, progress=None) -> list:
+        """Call fn(*args_by_rank[r]) on each rank r given (different arguments per rank: each rank receives only
+        its own share, e.g. its stages of a model). Results in rank order. `progress(async_result)` is called
+        about twice a second while waiting (live views read what the ranks publish)."""
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        chosen = self._parse_ranks(sorted(args_by_rank))
+        client = self._require_running().client
+        parts = [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen]
+        return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}, progress=progress).wait()
+
+    def execute(self, code: str, ranks=None, timeout: float | None = None, output: str = "rank0") -> list:
+        """Run code (a cell's source) on the chosen ranks, like `%%dist`; outputs are labelled by rank."""
+        if output not in SHOW_MODES:
+            raise DistUsageError(f"--output must be one of {', '.join(SHOW_MODES)}, got {output!r}")
+        chosen = self._parse_ranks(ranks)
+        show = {"rank0": {chosen[0]}, "all": set(chosen), "none": set()}[output]
+        ar = self._view(chosen).execute(code, silent=False, block=False)
+        replies = self._waiter(ar, chosen, timeout, show=show).wait()
+        self._show_results(chosen, replies, show)
+        return replies
+
+    @staticmethod
+    def _show_results(ranks: list[int], replies: list, show: set[int]) -> None:
+        from IPython.display import publish_display_data
+
+        for rank, reply in zip(ranks, replies):
+            data = getattr(reply, "data", None)
+            if rank in show and data:
+                if set(data) == {"text/plain"}:
+                    print(f"[rank {rank}] Out: {data['text/plain']}")
+                else:
+                    publish_display_data(data)
+
+    def status(self) -> Status:
+        """Rank, host, pid, device, backend and memory of every engine (freshly measured), how long these engines
+        took to start, and what each rank holds (`holdings`)."""
+        rows = self.run(boot.info)
+        self._info = rows
+        return Status(rows, self.startup_seconds, self.holdings())
+
+    def holdings(self) -> list[dict]:
+        """What every rank keeps between calls (pipelines, meshes, groups...: the engine registry), with the bytes
+        of tensors each holds: one row per (rank, object)."""
+        per_rank = self.run(registry.holdings)
+        return [{"rank": rank, **row} for rank, rows in enumerate(per_rank) for row in rows]
+
+    def mesh(self, **dims: int) -> Mesh:
+        """Lay `dims` (e.g. dp=2, pp=2) over the ranks and build, on every rank, one torch DeviceMesh and one MPI
+        sub-communicator per dimension (nbdist/cluster/ranks/rank_mesh.py). Built once per shape and start: asking again
+        returns the same mesh."""
+        planned = layout(self.world_size, **dims)
+        name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
+        if name not in self.meshes:  # building is collective over every rank
+            built = Mesh(planned.dims, planned.world_size, name=name, generation=self.generation)
+            self.run(rank_mesh.build, built)
+            self.meshes[name] = built
+        return self.meshes[name]
+
+    def check_fresh(self, generation: int | None, what: str) -> None:
+        """Refuse, in one line, an object made on engines that have since been restarted (they no longer hold it)."""
+        self._require_running()
+        if generation != self.generation:
+            raise DistUsageError(f"{what} was made before the engines were restarted, which cleared it from the "
+                                 f"ranks: make it again")
+
+    def __repr__(self) -> str:
+        state = f"{self.world_size} ranks" if self.running else "stopped"
+        return f"<nbdist.Cluster {state}, backend={self._info[0]['backend'] if self._info else self.options.backend}>"
+
+
+def _text_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
+    table = [list(header)] + rows
+    widths = [max(len(cell) for cell in column) for column in zip(*table)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+
+
+def _html_table(header: Sequence[str], rows: list[list[str]]) -> str:
+    def tr(cells: Sequence[str], tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
+
+    return "<table>" + tr(header, "th") + "".join(tr(r, "td") for r in rows) + "</table>"
+
+
+def parse_rank_spec(spec: str, world_size: int) -> list[int]:
+    """'all', '0', '0,2', '1-3' or '0,2-3' -> sorted rank list."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(world_size))
+    ranks: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            ranks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise DistUsageError(f"--ranks {spec!r}: expected 'all', '0', '0,2' or '1-3'") from None
+    return sorted(ranks)
+
+
+def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Cluster:
+    """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
+
+    Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds), mpi_args, collective_timeout.
+    A running cluster is kept (a note says so) unless `restart=True`.
+    """
+    global _current
+    if "mpi_args" in options:
+        options["mpi_args"] = tuple(options["mpi_args"])
+    unknown = sorted(set(options) - ClusterOptions.names())
+    if unknown:
+        raise DistUsageError(f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(sorted(ClusterOptions.names()))}")
+    cluster = Cluster(ClusterOptions(n=n, **options))  # validates every value before anything else happens
+    if _current is not None and _current.running:
+        if not restart:
+            print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True replaces it)")
+            return _current
+        _current.stop()
+    _current = cluster.start()
+    return cluster
+
+
+def current() -> Cluster:
+    """The cluster started by `%dist_start` / `nbdist.start()`."""
+    if _current is None or not _current.running:
+        raise DistUsageError("no cluster is running: start one with %dist_start or nbdist.start()")
+    return _current
+
+
+def stop() -> None:
+    """Stop the current cluster, if any."""
+    if _current is not None:
+        _current.stop()
+
+
+def _stop_all() -> None:
+    for cluster in list(_running):
+        cluster.stop()
+
+
+atexit.register(_stop_all)

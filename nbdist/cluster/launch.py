@@ -1,0 +1,286 @@
+"""Starting and stopping the ipyparallel controller and the MPI engines, fast and without leftovers.
+
+ipyparallel's defaults are built for robustness on batch systems: a 1 s pause between controller and engines,
+a 3 s heartbeat that engines must answer before the hub counts them, a nanny process per engine, and a stop that
+waits politely. On one notebook's cluster those waits are most of the start-up time, so we:
+
+- launch the engines at the same moment as the controller (the engines import torch and join the process group
+  while the controller starts, then wait for its connection file);
+- beat the heart every 100 ms, so a registering engine is confirmed within a beat;
+- run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
+- stop by signalling the process groups of mpiexec and the controller at once.
+
+Every process we start carries a lifeline (see cluster/lifeline.py) to the notebook kernel: the controller and engines on
+the kernel's host watch its pid; engines on other hosts hold a connection to the cluster's lifeline server
+(cluster/lifeline_server.py), which runs from just before the engines start until they are stopped.
+
+Each cluster runs in its own IPython profile directory, removed at stop (cluster/files.py).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import ipyparallel as ipp
+import psutil
+
+from nbdist.cluster import files as cluster_files
+from nbdist.cluster import lifeline_server
+from nbdist.errors import DistError
+from nbdist.cluster.options import ClusterOptions
+
+
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
+
+
+@dataclass
+class Launched:
+    """A running ipyparallel cluster and the client connected to it."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    engine_ids: list[int]
+
+
+_lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
+
+
+def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer) -> dict[str, str]:
+    env = {
+        **lifeline.environment(),
+        "NBDIST_BACKEND": options.backend,
+        "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
+        "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
+        # One BLAS/OpenMP thread per engine: engines share the cores, and oversubscription slows everyone.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env["PYTHONPATH"] = os.pathsep.join(_kernel_import_paths())
+    return env
+
+
+def _kernel_import_paths() -> list[str]:
+    """The kernel's own import path (minus the interpreter's), so engines can unpickle functions from the same
+    modules the notebook imports: a helper module beside the notebook, a source checkout, a test folder."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above nbdist/
+    interpreter = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    kernel_paths = [os.path.abspath(p or ".") for p in sys.path]
+    paths = [package_root] + [p for p in kernel_paths if not p.startswith(interpreter)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
+
+
+def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
+    profile_dir = cluster_files.new_profile_dir(options)
+    try:
+        return _ipp_cluster(options, profile_dir)
+    except BaseException:  # e.g. an error in the user's ipcluster_config.py
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        raise
+
+
+def _ipp_cluster(options: ClusterOptions, profile_dir: str) -> ipp.Cluster:
+    return ipp.Cluster(
+        profile_dir=profile_dir,
+        cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
+        engines="mpi",
+        n=options.n,
+        delay=0,
+        send_engines_connection_env=False,  # engines read the connection file, so they can start before it exists
+        shutdown_atexit=False,  # nbdist's own atexit stops it (fast, files removed); ipyparallel's is slow and noisy
+        log_level=40,
+        controller_args=[
+            "--IPController.use_threads=True",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        ],
+    )
+
+
+def _tail(launcher, lines: int = 15) -> str:
+    try:
+        with open(launcher.output_file) as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _check_alive(cluster: ipp.Cluster) -> None:
+    """Raise with the process's own last words if the controller or the engines have exited."""
+    parts = [("controller", cluster.controller)] + [("engines", es) for es in cluster.engines.values()]
+    for name, launcher in parts:
+        if launcher is not None and launcher.state == "after":
+            raise DistError(f"the {name} exited during start-up:\n{_tail(launcher)}")
+
+
+def start(options: ClusterOptions) -> Launched:
+    """Start controller and engines, connect a client, wait until every engine has registered."""
+    cluster = _new_cluster(options)
+    deadline = time.monotonic() + options.timeout
+    try:
+        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(options.multi_host())
+        watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
+        cluster.start_controller_sync(controller_cmd=watched + ["ipyparallel.controller"])
+        cluster.start_engines_sync(
+            options.n,
+            engine_cmd=[sys.executable, "-m", "nbdist.cluster.ranks.main"],
+            engine_args=[
+                "--IPEngine.enable_nanny=False",
+                "--log-level=40",
+                f"--IPEngine.wait_for_url_file={options.timeout}",
+            ],
+            mpi_cmd=[options.mpiexec()],
+            mpi_args=list(options.mpi_args),
+            environment=_engine_environment(options, lifeline),
+        )
+        client = cluster.connect_client_sync()
+        while len(client.ids) < options.n:
+            _check_alive(cluster)
+            if time.monotonic() > deadline:
+                raise DistError(
+                    f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
+                    f"(raise --timeout?); engine output:\n{_tail(next(iter(cluster.engines.values())))}"
+                )
+            time.sleep(0.005)
+    except BaseException:
+        stop_processes(cluster)
+        raise
+    return Launched(cluster=cluster, client=client, engine_ids=sorted(client.ids))
+
+
+def _process_groups(cluster: ipp.Cluster) -> list[int]:
+    launchers = [cluster.controller] + list(cluster.engines.values())
+    return [
+        launcher.pid
+        for launcher in launchers
+        if launcher is not None and getattr(launcher, "pid", None) and launcher.state == "running"
+    ]
+
+
+def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
+    """Every process of the cluster: controller, mpiexec, Hydra proxies and the engines."""
+    members = []
+    for pgid in _process_groups(cluster):
+        try:
+            leader = psutil.Process(pgid)
+            members += [leader] + leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return members
+
+
+def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
+    """Kill controller and engines and wait until they are gone, leaving no process and no file behind.
+
+    ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
+    mpiexec, its proxies and the ranks (or the controller and its helper). The ranks go first: mpiexec then sees
+    its job end and exits by itself within milliseconds, tidying its files. Then one SIGKILL per group takes
+    whatever is left. Engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and on
+    other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
+    """
+    groups = _process_groups(cluster)
+    members = processes(cluster)
+    held = _hydra_files(members)
+    ranks = [p for p in members if _is_rank(p)]
+    _kill(ranks)
+    _wait_gone(ranks + [p for p in members if _name(p) == "mpiexec"], timeout=0.5)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    _kill(members)  # members that left their group (a nanny, a daemon) go too
+    _wait_gone(members, timeout)
+    for path in held:  # Hydra's topology file, which a killed proxy cannot remove itself
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    _forget(cluster)
+    _close_lifeline(cluster)
+
+
+def _close_lifeline(cluster: ipp.Cluster) -> None:
+    """After the processes: closing first would end the remote engines' lifelines, racing our own kills."""
+    server = _lifelines.pop(id(cluster), None)
+    if server is not None:
+        server.close()
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        return "nbdist.cluster.ranks.main" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _hydra_files(procs: list[psutil.Process]) -> list[str]:
+    """Files Hydra (MPICH's mpiexec) keeps open in /tmp for its proxies; they outlive a killed proxy."""
+    files = []
+    for proc in procs:
+        try:
+            files += [f.path for f in proc.open_files() if os.path.basename(f.path).startswith("hydra_hwloc_")]
+        except psutil.Error:
+            pass
+    return files
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Wait until every process has exited. A zombie counts as gone: it holds no resources, only a pid entry
+    until its parent (or init, for orphaned ranks) reaps it; our own children we reap here."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and time.monotonic() < deadline:
+        pending = [p for p in pending if not _exited(p)]
+        if pending:
+            time.sleep(0.005)
+
+
+def _exited(proc: psutil.Process) -> bool:
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+        if proc.ppid() == os.getpid():
+            os.waitpid(proc.pid, os.WNOHANG)
+    except (psutil.NoSuchProcess, ChildProcessError):
+        pass
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forget(cluster: ipp.Cluster) -> None:
+    """Now that the processes are gone, remove the cluster's profile directory (connection files, logs) with
+    everything in it, and let ipyparallel know nothing is running."""
+    for launcher in [cluster.controller] + list(cluster.engines.values()):
+        if launcher is not None:
+            try:
+                launcher.get_output(remove=True)  # also stops ipyparallel's thread that follows the output file
+            except Exception:
+                pass
+    cluster.controller = None
+    cluster.engines = {}
+    cluster_files.remove_profile_dir(cluster.profile_dir)

@@ -1,0 +1,193 @@
+"""The kernel's end of the engines' lifelines across hosts: a TCP server that holds one connection per engine.
+
+Why: an engine on another host cannot watch the kernel's pid (cluster/lifeline.py). It holds a connection to this server
+instead, and exits when that connection ends, which happens the moment the kernel process dies, however it dies:
+the OS closes a dead process's sockets. So the server does nothing but accept, check the token and hold on; it runs
+in a daemon thread of the kernel, one per cluster, from just before the engines start until after they are stopped.
+
+The server runs for every cluster, single-host ones too: `--mpi-args` is not the only way mpiexec spreads ranks
+over hosts (a hostfile in Hydra's environment, a batch allocation), so only the engines know where they run, and
+each chooses by comparing host names. On one host it costs a thread that waits and a socket nobody connects to.
+
+Connections that do not say the cluster's token within a few seconds are closed: a port scanner or a stray client
+is never taken for a lifeline. Sockets made in Python are not inherited by child processes (PEP 446), so mpiexec
+and the controller never hold the kernel's end open after the kernel has died.
+
+Kernel side; standard library only, besides nbdist's error type.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+
+from nbdist.errors import DistUsageError
+from nbdist.cluster.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, HOST_ENV, TOKEN_ENV, WATCH_ENV
+
+MASTER_ADDR_ENV = "NBDIST_MASTER_ADDR"  # the address other hosts reach this one by (the rendezvous uses it too)
+THREAD_NAME = "nbdist-lifeline-server"
+_TOKEN_LINE_LIMIT = 256  # a client that says more than this before a newline is not one of ours
+
+
+def reachable_host(multi_host: bool) -> str:
+    """The address to serve on, chosen as the engines' rendezvous chooses it: $NBDIST_MASTER_ADDR, else this
+    host's FQDN when engines run on other hosts, else the loopback address."""
+    return os.environ.get(MASTER_ADDR_ENV) or (socket.getfqdn() if multi_host else "127.0.0.1")
+
+
+class LifelineServer:
+    """Holds the engines' lifeline connections for one cluster; `close()` ends them all and the thread."""
+
+    def __init__(self, host: str = "127.0.0.1", handshake_seconds: float = HANDSHAKE_SECONDS):
+        self.token = secrets.token_hex(16)
+        self.handshake_seconds = handshake_seconds
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=128)
+        self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._pending: dict[socket.socket, tuple[float, bytes]] = {}  # no token yet: (deadline, what it said so far)
+        self._held: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=THREAD_NAME)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1]
+
+    def environment(self) -> dict[str, str]:
+        """What an engine needs to hold its lifeline: the kernel's pid and host name, this server and the token."""
+        return {
+            WATCH_ENV: str(os.getpid()),
+            HOST_ENV: socket.gethostname(),
+            ADDRESS_ENV: self.address,
+            TOKEN_ENV: self.token,
+        }
+
+    def held(self) -> int:
+        """How many lifelines (connections that said the token) are held now."""
+        with self._lock:
+            return len(self._held)
+
+    @property
+    def serving(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving: every held lifeline ends (their processes exit), the listening socket and the thread go."""
+        self._closing = True
+        try:
+            self._wake_write.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_read, selectors.EVENT_READ)
+        try:
+            while not self._closing:
+                for key, _ in selector.select(timeout=self._next_deadline()):
+                    self._on_readable(selector, key.fileobj)
+                self._drop_late(selector)
+        finally:
+            self._close_all(selector)
+
+    def _next_deadline(self) -> float | None:
+        with self._lock:
+            deadlines = [deadline for deadline, _ in self._pending.values()]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _on_readable(self, selector: selectors.BaseSelector, sock) -> None:
+        if sock is self._wake_read:
+            return  # close() woke us; the loop sees _closing
+        if sock is self._listener:
+            self._accept(selector)
+            return
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:  # the other end has gone (an engine exited, or a stray client hung up)
+            self._drop(selector, sock)
+        elif sock in self._pending:
+            self._heard(selector, sock, data)
+        # a held lifeline has nothing to say; anything it sends is ignored
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        with self._lock:
+            self._pending[conn] = (time.monotonic() + self.handshake_seconds, b"")
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _heard(self, selector: selectors.BaseSelector, conn: socket.socket, data: bytes) -> None:
+        """A pending connection said something: the token and a newline makes it a lifeline; anything else ends it."""
+        deadline, said = self._pending[conn]
+        said += data
+        if b"\n" not in said:
+            if len(said) > _TOKEN_LINE_LIMIT:
+                self._drop(selector, conn)
+            else:
+                with self._lock:
+                    self._pending[conn] = (deadline, said)
+            return
+        if not hmac.compare_digest(said.split(b"\n", 1)[0], self.token.encode()):
+            self._drop(selector, conn)
+            return
+        try:
+            conn.send(ACCEPTED)  # three bytes into an empty send buffer: never blocks
+        except OSError:
+            self._drop(selector, conn)
+            return
+        with self._lock:
+            del self._pending[conn]
+            self._held.add(conn)
+
+    def _drop_late(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [conn for conn, (deadline, _) in self._pending.items() if deadline <= now]
+        for conn in late:
+            self._drop(selector, conn)
+
+    def _drop(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+            self._held.discard(conn)
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _close_all(self, selector: selectors.BaseSelector) -> None:
+        with self._lock:
+            conns = list(self._pending) + list(self._held)
+            self._pending.clear()
+            self._held.clear()
+        for sock in conns + [self._listener, self._wake_read, self._wake_write]:
+            sock.close()
+        selector.close()
+
+
+def serve(multi_host: bool) -> LifelineServer:
+    """A lifeline server for one cluster, listening where the cluster's engines can reach it."""
+    host = reachable_host(multi_host)
+    try:
+        return LifelineServer(host)
+    except OSError as e:
+        raise DistUsageError(
+            f"cannot serve the engines' lifeline on {host!r} ({e}): set {MASTER_ADDR_ENV} to an address of this host"
+        ) from None

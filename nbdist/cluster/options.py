@@ -1,0 +1,138 @@
+"""Cluster options and their validation, done in the notebook kernel before any process starts.
+
+The kernel never touches CUDA: GPUs are counted through NVML (nvidia-ml-py), which needs only the driver.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field, fields, replace
+
+import psutil
+
+from nbdist.checks import one_of, positive_seconds, whole_number
+from nbdist.cluster.ranks import devices
+from nbdist.errors import DistUsageError
+
+BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU; "mpi": nbdist's MPI backend (CPU engines)
+ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
+DEFAULT_CPU_ENGINES = 2
+HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
+
+
+def visible_gpus() -> int:
+    """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES, without creating a CUDA context."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def max_cpu_engines() -> int:
+    """How many CPU engines fit in this machine's available memory."""
+    return max(1, psutil.virtual_memory().available // ENGINE_MEMORY_BYTES)
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the `mpich` wheel puts it there), else the one on PATH, or $NBDIST_MPIEXEC."""
+    if os.environ.get("NBDIST_MPIEXEC"):
+        return os.environ["NBDIST_MPIEXEC"]
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What `%dist_start` / `nbdist.start()` accept. `n=None` means one engine per GPU, else 2 CPU engines (also
+    with --cpu or --backend gloo: CPU engines, whatever the GPUs)."""
+
+    n: int | None = None
+    cpu: bool = False
+    backend: str = "auto"
+    timeout: float = 60.0  # seconds the whole start-up may take
+    mpi_args: tuple[str, ...] = field(default_factory=tuple)
+    collective_timeout: float = 1800.0  # seconds a torch.distributed collective may wait
+
+    @classmethod
+    def names(cls) -> set[str]:
+        """The options `nbdist.start()` takes besides n."""
+        return {f.name for f in fields(cls)} - {"n"}
+
+    def multi_host(self) -> bool:
+        return any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+
+    def threads_per_engine(self) -> int:
+        return max(1, (os.cpu_count() or 1) // max(1, self.n or 1))
+
+    def mpiexec(self) -> str:
+        found = find_mpiexec()
+        if not found:
+            raise DistUsageError("mpiexec not found: `pip install mpich`, or put your MPI's mpiexec on PATH")
+        return found
+
+    def resolved(self, gpus: int | None = None) -> "ClusterOptions":
+        """Fill in defaults from the hardware and check everything; raises DistUsageError naming the problem.
+
+        `gpus`: the GPUs visible here; counted through NVML when not given (tests give it, so the GPU rules are
+        checked on machines without one). --cpu and --backend gloo mean CPU engines, whatever the GPUs.
+        """
+        one_of(self.backend, BACKENDS, "backend")
+        if not isinstance(self.cpu, bool):
+            raise DistUsageError(f"cpu must be True or False, got {self.cpu!r}")
+        if self.cpu and self.backend == "nccl":
+            raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
+        if not all(isinstance(arg, str) for arg in self.mpi_args):
+            raise DistUsageError(f"mpi_args must be strings, got {self.mpi_args!r}")
+        if not devices.wants_gpus(self.backend, self.cpu):
+            gpus = 0
+        elif gpus is None:
+            gpus = visible_gpus()
+        n = self._engine_count(gpus)
+        positive_seconds(self.timeout, "--timeout")
+        positive_seconds(self.collective_timeout, "collective_timeout")
+        if not self.multi_host():
+            self._check_fits(n, gpus)
+        self.mpiexec()
+        return replace(self, n=n)
+
+    def _engine_count(self, gpus: int) -> int:
+        """-n, or one engine per GPU, else DEFAULT_CPU_ENGINES. On several hosts nbdist cannot count the others'
+        GPUs (NVML sees this host only), so there -n is required."""
+        if self.n is None and self.multi_host():
+            raise DistUsageError("give -n when --mpi-args names hosts: nbdist counts the GPUs of this host only, "
+                                 "not those of the others")
+        n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
+        whole_number(n, "-n")
+        return n
+
+    def _check_fits(self, n: int, gpus: int) -> None:
+        """On this host: NCCL runs one rank per GPU; CPU engines are limited by memory."""
+        if self.backend == "nccl" and gpus == 0:
+            raise DistUsageError("--backend nccl needs GPUs and none are visible here; use --backend gloo")
+        if gpus and n > gpus:
+            raise DistUsageError(
+                f"-n {n} but {gpus} GPU{'s' if gpus > 1 else ''} visible: NCCL runs one rank per GPU; use -n {gpus}, "
+                f"or --cpu / --backend gloo for CPU engines"
+            )
+        if gpus:
+            return
+        limit = max_cpu_engines()
+        if n > limit:
+            free_gib = psutil.virtual_memory().available / 2**30
+            raise DistUsageError(
+                f"-n {n} is more engines than this machine can hold: at most {limit} "
+                f"({free_gib:.1f} GiB available, ~{ENGINE_MEMORY_BYTES / 2**30:.1f} GiB per engine)"
+            )

@@ -1,0 +1,171 @@
+"""Engine start-up: MPI rank and local rank, device binding, torch.distributed rendezvous.
+
+Runs in every engine process *before* it registers with the ipyparallel controller, so that importing torch and
+initialising the process group overlap with the controller's own start-up. Settings arrive as environment
+variables (ipyparallel gives every rank the same environment; per-rank choices are made here, from the rank).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from nbdist.cluster.ranks import devices
+from nbdist.errors import DistUsageError
+
+BACKEND_ENV = "NBDIST_BACKEND"  # "mpi" | "gloo" | "nccl" | "auto": what was asked; devices.bind decides
+DEVICE_ENV = "NBDIST_DEVICE"  # "cpu" forces CPU engines even where GPUs exist; "auto" binds GPUs by local rank
+PG_TIMEOUT_ENV = "NBDIST_PG_TIMEOUT"  # seconds a collective may wait before torch.distributed gives up
+
+
+@dataclass
+class RankInfo:
+    """What the notebook learns about one engine; `%dist_status` prints these."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+    pid: int
+    device: str
+    backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU engines) or "cpu:gloo,cuda:nccl" (GPU engines)
+    boot_seconds: float
+
+
+def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
+    """torch.distributed's key-value store for the rendezvous: rank 0 serves it on a port the OS picks while it
+    binds (no port chosen first and bound later, which another process may take in between), and everyone learns
+    that port over MPI."""
+    from torch.distributed import TCPStore
+
+    store, address = None, None
+    if comm.rank == 0:
+        host = os.environ.get("NBDIST_MASTER_ADDR") or ("127.0.0.1" if single_host else socket.getfqdn())
+        store = TCPStore(host, 0, comm.size, True, timeout, wait_for_workers=False)
+        address = (host, store.port)
+    host, port = comm.bcast(address, root=0)
+    return store if store is not None else TCPStore(host, port, comm.size, False, timeout)
+
+
+def _visible_gpus(requested: str, cpu: bool) -> int:
+    """CUDA devices this engine may use; 0 without looking when the engines are to be CPU engines (--cpu, --backend
+    gloo), so that those never initialise CUDA."""
+    if not devices.wants_gpus(requested, cpu):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _bind(comm, local_rank: int, ranks_on_host: int) -> devices.Binding:
+    """This rank's device and backend, agreed by every rank: each one's choice (or refusal) is gathered, so that a
+    refusal anywhere stops every rank with the same one line, before any of them waits in the rendezvous."""
+    requested, cpu = os.environ.get(BACKEND_ENV, "auto"), os.environ.get(DEVICE_ENV, "auto") == "cpu"
+    host = socket.gethostname()
+    try:
+        mine: devices.Binding | str = devices.bind(
+            requested, cpu, local_rank, ranks_on_host, _visible_gpus(requested, cpu), host)
+    except DistUsageError as refusal:
+        mine = str(refusal)
+    gathered = comm.allgather((host, mine))
+    devices.check_world([choice for _, choice in gathered], [h for h, _ in gathered])  # raises on every rank alike
+    binding = gathered[comm.rank][1]
+    if binding.gpu_index is not None:
+        import torch
+
+        torch.cuda.set_device(binding.gpu_index)  # before the process group, so NCCL forms its communicator there
+    return binding
+
+
+def _init_process_group(binding: devices.Binding, store, rank: int, size: int, timeout) -> str:
+    """Initialise torch.distributed for `binding`; returns the backend torch reports (`dist.get_backend()`)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    accepted = inspect.signature(dist.init_process_group).parameters
+    if binding.backend == devices.MPI_BACKEND:
+        from nbdist.backend.ranks import mpi_backend
+
+        mpi_backend.register()
+    dist.init_process_group(binding.backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                            **devices.init_options(binding, accepted))
+    return str(dist.get_backend())
+
+
+def boot() -> RankInfo:
+    """Join the MPI world, bind a device and initialise torch.distributed. Idempotent."""
+    from nbdist.cluster.ranks import registry
+
+    booted = registry.find(registry.RANK, "boot")
+    if booted is not None:
+        return booted
+    started = time.perf_counter()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this host: local rank = GPU index
+    local_rank, ranks_on_host = node.rank, node.size
+    single_host = ranks_on_host == comm.size
+    node.Free()
+    binding = _bind(comm, local_rank, ranks_on_host)
+    timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
+    store = _rendezvous_store(comm, single_host, timeout)
+    backend = _init_process_group(binding, store, comm.rank, comm.size, timeout)
+    return registry.put(registry.RANK, "boot", RankInfo(
+        rank=comm.rank,
+        world_size=comm.size,
+        local_rank=local_rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=binding.device,
+        backend=backend,
+        boot_seconds=time.perf_counter() - started,
+    ))
+
+
+def info() -> dict:
+    """This rank's description plus live memory use, for the status table: `gpu_mib` on GPU engines, with
+    `gpu_memory` saying whose figure it is ("nvml": all the process holds; "torch": torch's cache only)."""
+    import psutil
+
+    data = asdict(boot())
+    data["rss_mib"] = psutil.Process().memory_info().rss / 2**20
+    index = devices.Binding(data["device"], data["backend"]).gpu_index
+    if index is not None:
+        data["gpu_mib"], data["gpu_memory"] = _gpu_memory(index)
+    return data
+
+
+def _gpu_memory(index: int) -> tuple[float, str]:
+    """MiB this process holds on GPU `index`. NVML's per-process figure counts everything (the CUDA context, NCCL's
+    buffers, torch's caching allocator); torch.cuda.memory_allocated(), used before, counted live tensors only and
+    missed the rest, often the larger part. Where NVML cannot say (no pynvml, or a container whose PID namespace
+    hides this process from NVML), torch's reserved bytes (its caching allocator, no context or NCCL buffers)."""
+    held = _nvml_process_bytes(index)
+    if held is not None:
+        return held / 2**20, "nvml"
+    import torch
+
+    return torch.cuda.memory_reserved(index) / 2**20, "torch"
+
+
+def _nvml_process_bytes(index: int) -> int | None:
+    """What NVML lists for this process on CUDA device `index`, or None where it cannot say."""
+    try:
+        import pynvml
+        import torch
+
+        to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)  # private in torch 2.x: feature-tested
+        if to_nvml is None and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            return None  # CUDA's index is not NVML's then, and this torch cannot map it
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(to_nvml(index) if to_nvml else index)
+            return devices.process_gpu_bytes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle), os.getpid())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, an NVML call this driver lacks: fall back to torch's figure
+        return None

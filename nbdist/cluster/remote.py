@@ -1,0 +1,266 @@
+"""Waiting for work on the ranks: live, rank-labelled output, and no rank left stuck.
+
+An exception on one rank often leaves the others waiting forever in a collective (gloo and NCCL waits cannot be
+interrupted by SIGINT). So while we wait we watch each rank: once one has failed, the others get a short grace
+period; whoever is still running then is interrupted (SIGINT), and if that does not free it the engines are
+restarted. The same happens on a timeout and on the kernel's interrupt. The user is told exactly what was done.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from nbdist.errors import DistError, DistInterrupt
+from nbdist.cluster.tracebacks import remote_summary, remote_traceback
+
+ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
+INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was
+# seen too short once on 2 cores under a load of 8+ busy processes: a rank polling MPI was restarted, not freed)
+SHOW_MODES = ("rank0", "all", "none")
+DIED = "an engine process died (which ends the whole MPI job)"
+
+
+def label(rank: int) -> str:
+    return f"[rank {rank}]"
+
+
+def _prefixed(text: str, prefix: str) -> str:
+    return "".join(f"{prefix} {line}" for line in text.splitlines(True))
+
+
+@dataclass
+class OutputRelay:
+    """Copies each shown rank's stdout, stderr and displays into the notebook as they arrive, labelled by rank."""
+
+    ranks: Sequence[int]
+    shown: set[int]
+    _sent: dict = field(default_factory=dict)
+    _partial: dict = field(default_factory=dict)
+
+    def relay(self, metadata: Sequence[dict], final: bool = False) -> None:
+        for rank, md in zip(self.ranks, metadata):
+            if rank not in self.shown:
+                continue
+            self._relay_stream(rank, md, "stdout", sys.stdout, final)
+            self._relay_stream(rank, md, "stderr", sys.stderr, final)
+            self._relay_displays(rank, md)
+
+    def _relay_stream(self, rank: int, md: dict, name: str, out, final: bool) -> None:
+        text = md.get(name) or ""
+        start = self._sent.get((rank, name), 0)
+        if len(text) <= start and not final:
+            return
+        pending = self._partial.get((rank, name), "") + text[start:]
+        self._sent[(rank, name)] = len(text)
+        complete, _, rest = pending.rpartition("\n")
+        if final and rest:
+            complete, rest = pending, ""
+        elif complete:
+            complete += "\n"
+        self._partial[(rank, name)] = rest
+        if complete:
+            out.write(_prefixed(complete if complete.endswith("\n") else complete + "\n", label(rank)))
+            out.flush()
+
+    def _relay_displays(self, rank: int, md: dict) -> None:
+        outputs = md.get("outputs") or []
+        start = self._sent.get((rank, "outputs"), 0)
+        if len(outputs) > start:
+            from IPython.display import publish_display_data
+
+            for content in outputs[start:]:
+                publish_display_data(content["data"], content.get("metadata") or {})
+            self._sent[(rank, "outputs")] = len(outputs)
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """While nbdist frees or restarts the ranks, a second press of the stop button must not leave the cluster
+    half-restarted (nor print nbdist's internals): SIGINT is ignored until that is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+@dataclass
+class Waiter:
+    """Waits for one multi-rank AsyncResult. `restart` is called when stuck ranks cannot be freed otherwise."""
+
+    ar: object
+    ranks: Sequence[int]
+    pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
+    restart: Callable[[], None]
+    engines_alive: Callable[[], bool]
+    timeout: float | None = None
+    relay: OutputRelay | None = None
+    progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
+    progress_every: float = 0.5
+    after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
+    death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
+    after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
+    _restarted: bool = False
+
+    def wait(self) -> list:
+        """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
+        started = time.monotonic()
+        first_failure_at = None
+        reason, action = None, None
+        last_progress = started
+        try:
+            while not self.ar.ready():
+                self.ar.wait(0.05)
+                self._relay()
+                if self.progress is not None and time.monotonic() - last_progress >= self.progress_every:
+                    last_progress = time.monotonic()
+                    self.progress(self.ar)
+                if first_failure_at is None and self._failed_ranks():
+                    first_failure_at = time.monotonic()
+                died = self._death()
+                if died:
+                    reason, action = died, self._after_death()
+                    break
+                if first_failure_at is not None and time.monotonic() - first_failure_at > ERROR_GRACE_SECONDS:
+                    action = self._free_stuck()
+                    break
+                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                    reason, action = f"timed out after {self.timeout:g} s", self._free_stuck()
+                    break
+        except KeyboardInterrupt:
+            self._raise_failures("interrupted", self._back_in_step(self._free_stuck()), DistInterrupt)
+        if action is None and any(_engine_died(e) for e in self._failed_ranks().values()):
+            # every rank's result came back (as EngineError) before the launcher noticed the job had ended
+            reason, action = self._death() or DIED, self._after_death()
+        self._finish_output()
+        if self._failed_ranks():
+            action = self._back_in_step(action)
+        self._raise_failures(reason, action)
+        return [child.result() for _, child in self._children()]
+
+    def _death(self) -> str | None:
+        """A line naming the rank that died, as soon as its process is gone (the launcher notices seconds later)."""
+        said = self.death() if self.death is not None else None
+        return said or (None if self.engines_alive() else DIED)
+
+    def _after_death(self) -> str:
+        if self.after_death is None:
+            return self._restart()
+        self._restarted = True  # nothing is left to bring back in step
+        return self.after_death()
+
+    # -- per-rank state -------------------------------------------------------------------------------------
+
+    def _children(self):
+        return list(zip(self.ranks, self.ar._children))
+
+    def _pending_ranks(self) -> list[int]:
+        return [rank for rank, child in self._children() if not child.done()]
+
+    def _failed_ranks(self) -> dict[int, BaseException]:
+        failed = {}
+        for rank, child in self._children():
+            if child.done():
+                result = child.exception() or child.result()
+                if isinstance(result, BaseException):
+                    failed[rank] = result
+        return failed
+
+    # -- freeing ranks ----------------------------------------------------------------------------------------
+
+    def _free_stuck(self) -> str | None:
+        """Interrupt the ranks still running; restart the engines if that does not stop them. Says what it did."""
+        stuck = self._pending_ranks()
+        if not stuck:
+            return None
+        with _interrupts_deferred():
+            return self._interrupt_or_restart(stuck)
+
+    def _interrupt_or_restart(self, stuck: list[int]) -> str:
+        self._interrupt(stuck)
+        deadline = time.monotonic() + INTERRUPT_WAIT_SECONDS
+        while self._pending_ranks() and time.monotonic() < deadline:
+            self.ar.wait(0.02)
+        still = self._pending_ranks()
+        if not still:
+            return f"nbdist interrupted rank(s) {_ranks_text(stuck)}, which then stopped"
+        return (
+            f"rank(s) {_ranks_text(still)} kept running (stuck in a collective?) and did not stop on interrupt, "
+            + self._restart()
+        )
+
+    def _back_in_step(self, action: str | None) -> str | None:
+        """After a failure the engines survived: `after_failure` brings them back in step; its words join the line."""
+        if self.after_failure is None or self._restarted:
+            return action
+        return "; ".join(part for part in (action, self.after_failure()) if part) or None
+
+    def _restart(self) -> str:
+        self._finish_output()
+        self._restarted = True
+        with _interrupts_deferred():
+            self.restart()
+        return "so nbdist restarted the engines: fresh processes and process group, engine variables lost"
+
+    def _interrupt(self, ranks: Sequence[int]) -> None:
+        here = socket.gethostname()
+        for rank in ranks:
+            host, pid = self.pids[rank]
+            if host == here:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def _relay(self, final: bool = False) -> None:
+        if self.relay is not None:
+            self.relay.relay(self.ar._metadata, final=final)
+
+    def _finish_output(self) -> None:
+        try:
+            self.ar.wait_for_output(timeout=1.0) if self.ar.ready() else None
+        except Exception:
+            pass
+        self._relay(final=True)
+
+    def _raise_failures(self, reason: str | None, action: str | None, kind: type = DistError) -> None:
+        """Print each failed rank's traceback (always, whatever --output says) and raise one summary line."""
+        failed = self._failed_ranks()
+        if not failed and reason is None and action is None:
+            return
+        self._finish_output()
+        for rank, error in failed.items():
+            sys.stderr.write(_prefixed(remote_traceback(error).rstrip("\n") + "\n", label(rank)))
+        sys.stderr.flush()
+        raised = [f"rank {r} raised {remote_summary(e)}" for r, e in failed.items() if not _interrupted(e)]
+        interrupted = [r for r, e in failed.items() if _interrupted(e)]
+        parts = [p for p in (reason, "; ".join(raised)) if p]
+        if action:
+            parts.append(action)
+        elif interrupted:
+            parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
+        raise kind("; ".join(parts))
+
+
+def _engine_died(error: BaseException) -> bool:
+    return getattr(error, "ename", type(error).__name__) == "EngineError"
+
+
+def _interrupted(error: BaseException) -> bool:
+    return getattr(error, "ename", type(error).__name__) == "KeyboardInterrupt"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

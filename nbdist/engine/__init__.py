@@ -1,1 +1,0 @@
-"""Code that runs on the engines (one process per MPI rank). The notebook kernel never imports torch.cuda."""

@@ -1,0 +1,203 @@
+"""A pipeline's entry points on the ranks (this code runs ON the engines): what the notebook's Pipeline calls.
+
+`setup(spec)` builds this rank's executor from its StageSpec and keeps it in the engine registry under the
+pipeline's name; `begin` / `advance` / `step` run a step (whole, or tick by tick for a Stepper); `parameters`
+gathers weights or gradients; `close` frees it all. Every call of a step starts with a barrier of all the ranks
+of the pipeline's mesh (every replica), and reports when this rank left it: the notebook lines the ranks up by
+that and takes the pauses between a Stepper's calls out of the timeline (pipeline_parallel/stepping.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from nbdist.data_parallel.ranks import data_parallel
+from nbdist.pipeline_parallel.ranks import pairs
+from nbdist.cluster.ranks import rank_mesh
+from nbdist.cluster.ranks import registry
+from nbdist.tensor_parallel.ranks import tensor_parallel
+from nbdist.pipeline_parallel.ranks.executor import StageExecutor
+from nbdist.pipeline_parallel.ranks.transport import make_transport
+from nbdist.pipeline_parallel.spec import StageSpec
+
+KIND = "pipeline"
+WAKE_SECONDS = 0.005  # a stepping call first keeps its core busy this long: see _wake
+
+
+def setup(spec: StageSpec) -> str:
+    """Build this rank's executor. With a model function, this rank builds the model itself and keeps only its
+    layers (nothing large crosses the network)."""
+    from nbdist.cluster.ranks.boot import boot
+
+    device = torch.device(boot().device)
+    mesh = rank_mesh.here(spec.mesh)
+    average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
+    _warm_up()
+    transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
+    modules = _modules(spec)
+    if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (tensor_parallel/ranks/tensor_parallel.py)
+        for stage, module in modules.items():
+            tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
+    executor = StageExecutor(spec, modules, device, transport, average, restore(spec.optimizer))
+    registry.put(KIND, spec.name, executor)
+    return device.type
+
+
+def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:
+    registry.get(KIND, name).begin(shapes, inputs, targets, restore(loss_fn))
+
+
+def advance(name: str, until_tick: int | None, publish_every: float | None = None) -> dict:
+    """Run to the tick boundary (None: to the end); report the spans so far and, once the rank's list is done,
+    finish the step (gradients averaged over the replicas, optimizer).
+
+    Every call, on every rank of the mesh (also one whose list is done), starts with a barrier: the notebook's
+    requests reach the ranks one after another, and without it that skew would count as bubble. (It costs tens of
+    microseconds on one host.) Stepping (until_tick given), the other ranks may post the receives of our last sends
+    only at a later tick, so we do not wait for those sends here: `pause` keeps them moving.
+    """
+    from nbdist.cluster.ranks.boot import boot
+
+    executor = registry.get(KIND, name)
+    state = executor.state
+    executor.stop_draining()
+    stepping = until_tick is not None
+    if stepping:
+        _wake(WAKE_SECONDS)
+    rank_mesh.here(executor.spec.mesh).everyone.Barrier()
+    state.calls.append(time.perf_counter())
+    rank = boot().rank
+    if state.report is None:
+        executor.advance(until_tick, _publisher(rank, boot().host, publish_every))
+    if stepping:
+        executor.pause()
+    if executor.done:
+        if state.report is None:
+            state.report = {**executor.finish(wait_for_sends=not stepping), "rank": rank, "host": boot().host,
+                            "done": True}
+        return {**state.report, "calls": list(state.calls)}
+    spans = [s.as_tuple() for s in state.spans]
+    return {"rank": rank, "host": boot().host, "loss": None, "spans": spans, "calls": list(state.calls),
+            "done": False}
+
+
+def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None,
+         memory: bool = False) -> dict:
+    """A whole step at full speed: one call, so one barrier before the first action and none between ticks.
+    `memory`: also report the bytes this rank holds (cluster/ranks/memory.py), activations at their peak."""
+    if not memory:
+        begin(name, shapes, inputs, targets, loss_fn)
+        return advance(name, None, publish_every)
+    from nbdist.cluster.ranks.memory import ActivationMeter
+
+    with ActivationMeter() as meter:
+        begin(name, shapes, inputs, targets, loss_fn)
+        report = advance(name, None, publish_every)
+    executor = registry.get(KIND, name)
+    return {**report, "memory": {**executor.held_bytes(), "activations": meter.peak_bytes}}
+
+
+def parameters(name: str, grads: bool) -> dict | None:
+    """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU.
+    Tensor-parallel shards are gathered whole (collective over the tp group: every slice calls this); the first
+    slice returns them, the others None."""
+    executor = registry.get(KIND, name)
+    out = {}
+    for stage, module in executor.modules.items():
+        if grads:
+            out[stage] = {k: whole(p.grad) for k, p in module.named_parameters()}
+        else:
+            out[stage] = {k: whole(v) for k, v in module.state_dict().items()}
+    tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
+    return out if tp_slice == 0 else None
+
+
+def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if hasattr(t, "full_tensor"):  # a DTensor: tensor-parallel shards gathered
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def close(name: str) -> None:
+    registry.drop(KIND, name)
+    groups = registry.find(pairs.KIND, name)
+    if groups is not None:
+        pairs.release(groups)
+        registry.drop(pairs.KIND, name)
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def restore(payload):
+    """Undo the notebook's cloudpickling (pipeline_parallel/api.portable): bytes back to the user's function."""
+    import cloudpickle
+
+    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
+
+
+def _modules(spec: StageSpec) -> dict[int, nn.Module]:
+    if isinstance(spec.model, bytes):
+        layers = list(restore(spec.model)())
+        return {stage: nn.Sequential(*layers[a:b]) for stage, (a, b) in spec.layers.items()}
+    return dict(spec.model)
+
+
+def _dp_average(mesh, replicas: int, transport: str):
+    """A function averaging a list of gradient tensors over this rank's dp group in place: one all-reduce of one
+    flat buffer (MPI on CPU, torch.distributed otherwise), then divided by the number of replicas."""
+    if transport == "mpi":
+        from mpi4py import MPI
+
+        def all_reduce(flat: torch.Tensor) -> None:
+            mesh.comm("dp").Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+    else:
+        import torch.distributed as dist
+
+        def all_reduce(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, group=mesh.group("dp"))
+
+    return lambda grads: data_parallel.average_grads(grads, replicas, all_reduce)
+
+
+def _warm_up() -> None:
+    """The first backward given an output gradient makes torch import sympy (0.5-1 s, once per process): pay
+    that here, not inside the first measured backward, where it would look like a 100x slower stage. A tiny graph
+    of our own: the user's modules (and their buffers or random state) are not touched."""
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    torch.autograd.backward(y, torch.ones_like(y))
+
+
+def _wake(seconds: float) -> None:
+    """Keep this core busy for `seconds` before a stepping call's barrier.
+
+    Between two clicks a rank sleeps for seconds; the first actions after such a pause ran 2-5x slower than the
+    same actions a millisecond later (the core and the process wake up), which a person stepping through the
+    schedule would read as bubble. Measured on 2 CPU engines, 2-stage 1F1B of 64-wide layers, 3 s between
+    clicks: the stepped bubble was 11 points above full speed without this, 3-6 with it. It costs 5 ms a click."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _publisher(rank: int, host: str, every: float | None):
+    """A function the executor calls after each action: publishes the spans so far (ipyparallel's datapub) at
+    most every `every` seconds, for a live view; None when no view watches."""
+    if every is None:
+        return None
+    from ipyparallel.datapub import publish_data
+
+    last = [time.perf_counter()]
+
+    def publish(state) -> None:
+        if state.spans and state.spans[-1].end - last[0] > every:  # on a GPU spans appear when a call ends
+            last[0] = state.spans[-1].end
+            publish_data({"rank": rank, "host": host, "spans": [s.as_tuple() for s in state.spans],
+                          "calls": list(state.calls)})
+
+    return publish

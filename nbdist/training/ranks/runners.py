@@ -1,0 +1,127 @@
+"""What the Trainer's loop on a rank steps (training/ranks/training.py): a sharded model of a plan, a pipeline's stages, or
+a whole replica with its synchroniser. Each runner has `model` and `optimizer` (what checkpoints save), `run` (one
+training step: the loss and the seconds of communication and idle in it), `evaluate` (one batch's loss without
+gradients, or None on a rank that computes none) and `finish`."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from nbdist.cluster.ranks import registry
+from nbdist.pipeline_parallel.ranks.pipeline import restore
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype
+
+
+class ShardedRunner:
+    """pp = 1 plans (dp, tp, ZeRO): nbdist's ShardedModel (sharding/ranks/sharded.py), built by the plan's apply()."""
+
+    def __init__(self, name: str):
+        from nbdist.sharding.ranks import sharded
+
+        self.sharded = registry.get(sharded.KIND, name)
+        self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        report = self.sharded.step(x, y, loss_fn, autocast=autocast, scale=scale, apply=apply)
+        return {"loss": report["loss"], "comm_s": report["exposed_comm_s"]}
+
+    def evaluate(self, x, y, loss_fn, autocast) -> float:
+        return whole_model_loss(self.model, x, y, loss_fn, autocast)
+
+    def finish(self) -> None:
+        pass
+
+
+class PipelineRunner:
+    """pp > 1 plans: nbdist's pipeline executor on this rank (its stages, split over tp, averaged over dp), one
+    full-speed step per call. `model` names its layers as the unsplit model does, for checkpoints."""
+
+    def __init__(self, spec):
+        from nbdist.pipeline_parallel.ranks import pipeline
+
+        self.name, self.shapes = spec.model, spec.pipeline["shapes"]
+        self.executor = registry.get(pipeline.KIND, spec.model)
+        self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
+        self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
+        self.optimizer = self.executor.optimizer
+        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.precision)  # each stage's forward: the executor's
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        from nbdist.pipeline_parallel.ranks import pipeline
+        from nbdist.schedules.actions import Action
+
+        self.executor.apply_optimizer = apply
+        started = time.perf_counter()
+        report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
+        wall = time.perf_counter() - started
+        compute = comm = 0.0
+        for action, start, end, *_ in report["spans"]:
+            if Action.parse(action).is_compute:
+                compute += end - start
+            else:
+                comm += end - start
+        return {"loss": report["loss"], "comm_s": comm, "idle_s": max(0.0, wall - compute - comm)}
+
+    def evaluate(self, x, y, loss_fn, autocast) -> float | None:
+        """Forward only through the stages (executor.evaluate, under the autocast the executor was given); the loss
+        on the last stage, None elsewhere."""
+        return self.executor.evaluate(x if self.first else None, y if self.last else None, loss_fn)
+
+    def finish(self) -> None:
+        pass
+
+
+def whole_model_loss(model, x, y, loss_fn, autocast) -> float:
+    """The loss of a model that takes the whole input on this rank (a replica, a tensor-parallel or ZeRO model),
+    without gradients."""
+    with torch.no_grad(), (autocast or contextlib.nullcontext()):
+        return float(loss_fn(model(x), y))
+
+
+def unsplit_view(modules: dict, layers: dict) -> torch.nn.Module:
+    """One module holding this rank's stage modules' layers under the unsplit model's names (layer a+i of a stage
+    that starts at layer a): what get_state_dict keys a checkpoint by, so it loads into any other plan."""
+    view = torch.nn.Module()
+    for stage, module in modules.items():
+        first = layers[stage][0]
+        for i, layer in enumerate(module):
+            view.add_module(str(first + i), layer)
+    return view
+
+
+class ReplicaRunner:
+    """The asynchronous and periodic modes (local SGD, EASGD, SSP): each rank a whole model and its own
+    optimizer; the synchroniser (training/ranks/sync_modes.py) decides what crosses the network and when."""
+
+    def __init__(self, spec, me):
+        from nbdist.training.ranks import sync_modes
+
+        self.model = restore(spec.model_fn)()
+        self.optimizer = restore(spec.optimizer)(self.model.parameters())
+        self.sync = sync_modes.make(spec.sync, self.model, self.optimizer, me.comm("dp"), dict(spec.sync_options))
+        self.microbatches = spec.microbatches
+
+    def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
+        self.sync.scale, self.sync.apply = scale, apply  # loss scaling and clipping, per replica
+        with autocast if autocast is not None else contextlib.nullcontext():
+            return self.sync.step(step, x, y, loss_fn, self.microbatches)
+
+    def evaluate(self, x, y, loss_fn, autocast) -> float:
+        return whole_model_loss(self.model, x, y, loss_fn, autocast)
+
+    def finish(self) -> None:
+        self.sync.finish()
+
+
+def make(spec, me):
+    """The runner of a TrainSpec's kind, on this rank."""
+    if spec.kind == "sharded":
+        return ShardedRunner(spec.model)
+    if spec.kind == "replica":
+        return ReplicaRunner(spec, me)
+    if spec.kind == "pipeline":
+        return PipelineRunner(spec)
+    raise ValueError(f"no runner for {spec.kind!r}")

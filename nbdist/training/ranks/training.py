@@ -1,0 +1,357 @@
+"""The Trainer's loop, ON the ranks: batches made here, steps run back to back, the notebook only watches.
+
+Why on the ranks: a step driven from the notebook pays a round trip (about 9 ms here) and ships every batch; a
+loop here pays neither. Each rank reads the global batch of step k from its own copy of the data set
+(nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share. What a step runs
+(a plan's sharded model, a pipeline's stages, a replica and its synchroniser) is training/ranks/runners.py.
+
+At every step boundary the ranks agree, in one small MPI all-reduce over the mesh, on the step's loss and on
+whether anyone was asked to stop (SIGUSR1, which the notebook's Trainer sends when the user presses stop; the
+handler is installed once, when the trainer is set up): so all ranks stop after the same step, with model and
+optimizer intact, and `fit` continues from there. The time a rank
+waits in that all-reduce is its idle time (it finished before the slowest rank).
+
+Each step's record: loss, learning rate, wall time, and per rank compute / communication / idle seconds
+(communication: what backward waited for after its last gradient was computed, i.e. the all-reduce not hidden
+behind compute, plus any explicit average); CPU utilisation and resident memory (psutil), GPU utilisation and
+memory (NVML) sampled at most every PUBLISH_SECONDS and published to the notebook (ipyparallel datapub).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import torch
+
+from nbdist import data as datasets
+from nbdist.backend.ranks import mpi_work
+from nbdist.cluster.ranks import rank_mesh
+from nbdist.cluster.ranks import registry
+from nbdist.training.ranks import runners
+from nbdist.training.ranks import telemetry
+from nbdist.pipeline_parallel.ranks.pipeline import restore
+
+KIND = "trainer"
+STOP_SIGNAL = signal.SIGUSR1  # "stop at the next step boundary" (SIGINT stays the interrupt that frees any wait)
+PUBLISH_SECONDS = 0.5
+RECORDS_PUBLISHED = 256  # the newest records sent with each publication (the notebook merges them by step)
+BOUNDARY_TIMEOUT_SECONDS = 600.0
+
+
+class RankTrainer:
+    """This rank's side of one Trainer: the data, the model (a sharded model or a replica with its synchroniser),
+    the step counter and the records of every step done."""
+
+    def __init__(self, spec):
+        from nbdist.cluster.ranks.boot import boot
+
+        self.spec = spec
+        self.rank = boot().rank
+        self.device = torch.device(boot().device)
+        self.me = rank_mesh.here(spec.mesh)
+        self.replica = self.me.coords.get("dp", 0)
+        self.dataset = restore(spec.data)()
+        self.eval_set = restore(spec.eval_data)() if spec.eval_data else None
+        self.loss_fn = restore(spec.loss)
+        self.lr_schedule = restore(spec.lr_schedule)
+        self.runner = runners.make(spec, self.me)
+        self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "fp16" else None
+        self.step = 0
+        self.records: list[dict] = []
+        self.stop_requested = False
+        self.telemetry = telemetry.Sampler(self.device)
+        self.lag = _agreement_lag(self.runner)
+        self.pending: list = []  # step agreements posted and not yet completed (lag > 0): (record, request, buffers)
+        self.boundary = None  # the MPI communicator of the step boundary, made by each fit call
+        self.pending_save = None  # an asynchronous checkpoint being written (training/ranks/checkpoint.py)
+        self.writer_group = None
+        self.last_save_stall_s: float | None = None
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def share(self, step: int, dataset=None, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's share of global batch `step`, on this rank's device."""
+        dataset = self.dataset if dataset is None else dataset
+        indices = datasets.batch_indices(len(dataset), step, self.spec.batch_size,
+                                         self.spec.seed if seed is None else seed)
+        x, y = datasets.collate(dataset, indices.chunk(self.spec.replicas)[self.replica])
+        return x.to(self.device), y.to(self.device)
+
+    def train_step(self) -> dict:
+        k = self.step
+        self._set_learning_rate(k)
+        x, y = self.share(k)
+        started = time.perf_counter()
+        report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
+        delay = self.spec.straggler.get(self.rank, 0.0)
+        if delay:
+            time.sleep(delay)
+        computed = time.perf_counter()
+        comm = report.get("comm_s", 0.0)
+        record = {"step": k, "loss": None, "lr": self._lr(), "rank": self.rank, "started": started,
+                  "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
+                  "comm_s": comm, "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
+        waited = self._agree(record, report["loss"], keep=self.lag)
+        record["ended"] = time.perf_counter()
+        record["idle_s"] = waited + report.get("idle_s", 0.0)
+        if x.dim() >= 2 and not x.is_floating_point():
+            record["tokens"] = self.spec.batch_size * x.shape[1]
+        self.step += 1
+        self.records.append(record)
+        return record
+
+    def _autocast(self):
+        dtype = runners.AUTOCAST_DTYPES.get(self.spec.precision)
+        return None if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+
+    def _scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _apply(self, optimizer) -> None:
+        """The optimizer's step with the Trainer's extras: unscale (fp16), clip the global gradient norm, step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.spec.clip is not None:
+            stages = self.me.comm("pp") if "pp" in self.me.mesh.names else None
+            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.clip, stages)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def _set_learning_rate(self, step: int) -> None:
+        if self.lr_schedule is None or self.runner.optimizer is None:
+            return
+        factor = float(self.lr_schedule(step))
+        for group, base in zip(self.runner.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+
+    def _lr(self) -> float | None:
+        optimizer = self.runner.optimizer
+        return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+
+    def _agree(self, record: dict, loss: float | None, keep: int = 0) -> float:
+        """The step boundary: post this step's agreement (one small MPI all-reduce over the mesh: whether any rank
+        was asked to stop, and the loss), then complete the posted ones until `keep` remain; each completed one
+        gives its record the mean loss over the replicas. Returns the seconds spent waiting for the others.
+
+        keep = 0 (the plans) completes it at once; the replica modes keep `lag` in flight, so replicas may run up to
+        `lag` steps apart, as their strategy allows (SSP's staleness + 1, local SGD's period, EASGD's tau), yet every
+        rank reads the same stop request at the same step."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([float(self.stop_requested or _STOP["asked"]), loss or 0.0, 1.0 if loss is not None else 0.0])
+        total = np.zeros(3)
+        self.pending.append((record, self.boundary.Iallreduce(mine, total, op=MPI.SUM), (mine, total)))
+        return self.complete_agreements(keep)
+
+    def complete_agreements(self, keep: int = 0) -> float:
+        """Complete the oldest posted agreements until `keep` remain; returns the seconds waited."""
+        started = time.perf_counter()
+        while len(self.pending) > keep:
+            record, request, (mine, total) = self.pending[0]
+            try:
+                mpi_work.complete_or_abandon([request], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+                                             f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other "
+                                             f"ranks to reach step {record['step']}")
+            except BaseException:
+                self._abandon_agreements()
+                raise
+            self.pending.pop(0)
+            record["loss"] = float(total[1] / total[2]) if total[2] else math.nan
+            self.stop_requested = self.stop_requested or bool(total[0] > 0)
+        return time.perf_counter() - started
+
+    def _abandon_agreements(self) -> None:
+        for _, request, buffers in self.pending[1:]:  # the oldest was given up by complete_or_abandon
+            mpi_work.abandoned.append(([request], buffers))
+        self.pending = []
+        self.boundary = None  # out of step with the others: the next fit makes a fresh one
+
+    # -- evaluation and the loop ------------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """The mean loss over `eval_batches` fixed batches of the evaluation set (the same on any plan): each rank
+        that computes a loss (every rank; a pipeline's last stage) reports it, the step boundary averages them."""
+        model = self.runner.model
+        model.eval()
+        losses = []
+        try:
+            for j in range(self.spec.eval_batches):
+                x, y = self.share(j, self.eval_set, self.spec.seed + 1)
+                loss = self.runner.evaluate(x, y, self.loss_fn, self._autocast())
+                if loss is not None:
+                    losses.append(loss)
+        finally:
+            model.train()
+        agreed = {"step": self.step}
+        self._agree(agreed, sum(losses) / len(losses) if losses else None)
+        return agreed["loss"]
+
+    def fit(self, steps: int, publish_every: float | None) -> dict:
+        """Train `steps` steps (fewer if stopped); return this rank's records of them."""
+        from nbdist.training.ranks import checkpoint
+
+        first = len(self.records)
+        self.boundary = self.me.everyone.Dup()
+        self.stop_requested = False  # (a request that arrived before this call began still counts: _STOP)
+        publish = telemetry.Publisher(self, publish_every, RECORDS_PUBLISHED)
+        try:
+            for _ in range(steps):
+                record = self.train_step()
+                if self._due(self.spec.eval_every):
+                    self.complete_agreements()
+                    record["eval_loss"] = self.evaluate()
+                checkpoint.settle(self, wait=False)
+                if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
+                    self.complete_agreements()
+                    record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
+                                                           self.spec.async_checkpoint)
+                    record["checkpoint_stall_s"] = self.last_save_stall_s
+                publish(force=False)
+                if self.stop_requested:
+                    break
+            self.complete_agreements()
+            checkpoint.settle(self, wait=True)
+        finally:
+            if self.boundary is not None:
+                self.boundary.Free()
+            self.boundary = None
+            if self.stop_requested:
+                _STOP["asked"] = False  # answered: every rank stopped at this boundary
+        publish(force=True)
+        return {"rank": self.rank, "records": self.records[first:], "step": self.step,
+                "stopped": self.stop_requested}
+
+    def _due(self, every: int | None) -> bool:
+        return bool(every) and self.step % every == 0
+
+
+def _agreement_lag(runner) -> int:
+    """How many steps the replicas may run apart before the step boundary makes them wait (0: every step): the
+    synchroniser's own bound (engine/sync_base.Synchronizer.lag); the plans meet every step."""
+    sync = getattr(runner, "sync", None)
+    return sync.lag if sync is not None else 0
+
+
+def clip_gradients(params: list, max_norm: float, stages=None) -> float:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_
+    does on one process. Sharded gradients (DTensors: tensor parallel, FSDP2) count whole: their norm is taken of
+    the gathered tensor, so every rank computes the same total (a collective, in parameter order). `stages`: the
+    pipeline's MPI communicator, over which each stage's share of the squares is summed."""
+    from nbdist.pipeline_parallel.ranks.pipeline import whole
+
+    squares = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        squares += whole(g).double().pow(2).sum()
+    total = float(squares) if stages is None else _sum_over(stages, float(squares))
+    norm = math.sqrt(total)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return norm
+
+
+def _sum_over(comm, value: float) -> float:
+    """`value` summed over an MPI communicator, completed by polling (an interrupt can free it)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine, total = np.array([value]), np.zeros(1)
+    mpi_work.complete_or_abandon([comm.Iallreduce(mine, total, op=MPI.SUM)], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+                                 "the pipeline's ranks did not sum their gradient norms in time")
+    return float(total[0])
+
+
+_STOP = {"asked": False}  # set by STOP_SIGNAL, any time: also before this rank's fit call has begun
+
+
+def _ask_to_stop(*_) -> None:
+    _STOP["asked"] = True
+
+
+def install_stop_handler() -> None:
+    """STOP_SIGNAL asks the running (or the next) fit to stop at a step boundary. Installed once, for good: the
+    notebook may send it just before a rank has begun its fit call, and the signal's default action would kill
+    the engine."""
+    if signal.getsignal(STOP_SIGNAL) is not _ask_to_stop:
+        signal.signal(STOP_SIGNAL, _ask_to_stop)
+
+
+# -- what the notebook calls ------------------------------------------------------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    """The same torch, random and numpy seed on every rank before the model is built (a model_fn that does not
+    seed itself still builds equal replicas)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
+def sample_shape(data_fn: bytes) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of one input of the data set (a pipeline's message shapes follow from it)."""
+    x, _ = restore(data_fn)()[0]
+    return tuple(x.shape), x.dtype
+
+
+def setup(spec) -> dict:
+    install_stop_handler()
+    trainer = registry.put(KIND, spec.name, RankTrainer(spec))
+    return {"rank": trainer.rank, "length": len(trainer.dataset)}
+
+
+def fit(name: str, steps: int, publish_every: float | None) -> dict:
+    return registry.get(KIND, name).fit(steps, publish_every)
+
+
+def finish(name: str) -> None:
+    """Bring the replicas to one model (asynchronous modes; nothing to do for all-reduce)."""
+    registry.get(KIND, name).runner.finish()
+
+
+def records(name: str, since: int) -> dict:
+    trainer = registry.get(KIND, name)
+    return {"rank": trainer.rank, "records": [r for r in trainer.records if r["step"] >= since],
+            "step": trainer.step}
+
+
+def tensors(name: str) -> dict | None:
+    """A replica's parameters and buffers (the asynchronous modes, after finish()), on the first replica; None
+    elsewhere. (Plans' models gather themselves: Sharded, Pipeline.)"""
+    trainer = registry.get(KIND, name)
+    out = {k: v.detach().cpu().clone() for k, v in trainer.runner.model.state_dict().items()}
+    return out if not any(trainer.me.coords.values()) else None
+
+
+def save(name: str, directory: str, asynchronous: bool = False) -> str:
+    """A checkpoint now (complete when this returns, also when written asynchronously)."""
+    from nbdist.training.ranks import checkpoint
+
+    trainer = registry.get(KIND, name)
+    path = checkpoint.save(trainer, directory, asynchronous)
+    checkpoint.settle(trainer, wait=True)
+    return path
+
+
+def load(name: str, path: str) -> int:
+    from nbdist.training.ranks import checkpoint
+
+    return checkpoint.load(registry.get(KIND, name), path)
+
+
+def close(name: str) -> None:
+    trainer = registry.find(KIND, name)
+    if trainer is not None and getattr(trainer.runner, "sync", None) is not None:
+        trainer.runner.sync.close()
+    registry.drop(KIND, name)
