@@ -1,6 +1,6 @@
 """What a rank holds, measured (nbdist/cluster/ranks/memory.py): parameters, gradients and optimizer state by storage, and
 the activations autograd saves for backward. In one process against hand counts; on a real 2-rank cluster,
-ZeroRedundancyOptimizer and FSDP2 against what the plan predicts for them (nbdist/sharding/predict.py)."""
+ZeroRedundancyOptimizer and FSDP2 against what the plan predicts for them (nbdist/sharding/memory.py)."""
 from __future__ import annotations
 
 import gc
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
-from nbdist.sharding.predict import predict_memory, profile_layers, zero1_shares
+from nbdist.sharding.memory import predict_memory, zero1_shares
+from nbdist.sharding.profile import profile_layers
 from test_predict import gpt, tokens
 
 F32 = 4
@@ -142,7 +143,7 @@ def tensor_parallel_on_rank(build, x) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
-    from nbdist.sharding.predict import tp_plan
+    from nbdist.tensor_parallel.pairs import tp_plan
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -24,7 +24,8 @@ from nbdist import data, models
 from nbdist.errors import DistUsageError
 from nbdist.cluster.mesh import layout
 from nbdist.cluster.options import ClusterOptions
-from nbdist.sharding.predict import RankMemory, micro_batch_size
+from nbdist.sharding.memory import RankMemory
+from nbdist.sharding.shape import micro_batch_size
 from nbdist.units import format_bytes
 from nbdist.viz.plan import LAYER_COLUMNS, MEMORY_PARTS, layers_html, memory_figure, placement_figure
 from nbdist.sharding.widget import PlannerView

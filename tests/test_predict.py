@@ -1,4 +1,4 @@
-"""A plan's predicted memory and step time (nbdist/sharding/predict.py) against hand counts, the ZeRO paper's
+"""A plan's predicted memory and step time (nbdist/sharding/: profile, shape, memory, step_time) against hand counts, the ZeRO paper's
 figures, and what the memory meter (nbdist/cluster/ranks/memory.py) measures in this process.
 
 One process, no cluster: the predictions are plain data; the 2-rank checks of ZeRO and FSDP2 against these
@@ -17,10 +17,12 @@ from nbdist.collectives.costmodel import AlphaBeta
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.errors import DistUsageError
 from nbdist.schedules.generators import build
-from nbdist.sharding.predict import (
-    check_shape, fp32_zero_bytes, predict_memory, predict_step_seconds, profile_layers, time_layers, tp_pairs,
-    tp_plan, with_times, zero1_shares, zero_paper_bytes,
-)
+from nbdist.cost.memory import fp32_zero_bytes, zero_paper_bytes
+from nbdist.sharding.memory import predict_memory, zero1_shares
+from nbdist.sharding.profile import profile_layers, time_layers, with_times
+from nbdist.sharding.shape import check_shape
+from nbdist.sharding.step_time import predict_step_seconds
+from nbdist.tensor_parallel.pairs import tp_pairs, tp_plan
 
 IN, HIDDEN, MID, OUT = 8, 16, 8, 4  # the MLP: Linear(8,16) ReLU Linear(16,8) ReLU Linear(8,4)
 F32 = 4

@@ -88,6 +88,10 @@ class AlphaBeta:
         """2(n-1)·α + 2(n-1)/n·S·β: bandwidth-optimal, latency linear in n."""
         return self.cost("ring", size, n)
 
+    def gather(self, size, n: int):
+        """A ring all-gather or reduce-scatter of a `size`-byte whole: (n-1)·α + (n-1)/n·S·β, half a ring."""
+        return self.ring(size, n) / 2
+
     def tree(self, size, n: int):
         """2⌈log2 n⌉·(α + S·β): a binomial-tree reduce, then a broadcast."""
         return self.cost("tree", size, n)

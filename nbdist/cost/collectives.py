@@ -122,6 +122,24 @@ def legend(algorithm: str, n: int) -> str:
     return f"{name}: {formula}; n={n}: {a}α + {b:.3g}·Sβ"
 
 
+
+# -- seconds, given what one message costs ---------------------------------------------------------------------------
+
+
+def all_reduce_seconds(size: float, n: int, alpha: float, beta: float, algorithm: str = "ring") -> float:
+    """An n-rank all-reduce of `size` bytes when one message costs α + S·β: steps·α + critical-path bytes·β (0 on
+    one rank). The α-β model (collectives/costmodel.py) and the planner's links (planner/layout.py) price with it."""
+    if n == 1:
+        return 0.0
+    a, b = coefficients(algorithm, n)
+    return a * alpha + b * size * beta
+
+
+def all_gather_seconds(size: float, n: int, alpha: float, beta: float) -> float:
+    """A ring all-gather (or reduce-scatter) of a `size`-byte whole over n ranks: half a ring all-reduce, n-1 steps
+    of S/n, so (n-1)·α + (n-1)/n·S·β (0 on one rank)."""
+    return all_reduce_seconds(size, n, alpha, beta, "ring") / 2
+
 # -- exact counts for a tensor of whole elements -------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from nbdist.checks import one_of, whole_number
 from nbdist.errors import DistUsageError
+from nbdist.cost.collectives import all_gather_seconds, all_reduce_seconds
 from nbdist.cost.hardware import Hardware, Link
 from nbdist.planner.model import GPT, RECOMPUTE
 
@@ -123,14 +124,12 @@ class Placement:
     bandwidth: float
 
     def all_reduce(self, size: float) -> float:
-        """Ring all-reduce of `size` bytes: 2(n-1) steps, 2(n-1)/n·S bytes per member."""
-        n = self.members
-        return 0.0 if n == 1 else 2 * (n - 1) * self.link.latency + 2 * (n - 1) / n * size / self.bandwidth
+        """Ring all-reduce of `size` bytes: 2(n-1) steps, 2(n-1)/n·S bytes per member (cost/collectives.py)."""
+        return all_reduce_seconds(size, self.members, self.link.latency, 1 / self.bandwidth)
 
     def gather(self, size: float) -> float:
         """Ring all-gather (or reduce-scatter) of a `size`-byte whole: n-1 steps, (n-1)/n·S bytes per member."""
-        n = self.members
-        return 0.0 if n == 1 else (n - 1) * self.link.latency + (n - 1) / n * size / self.bandwidth
+        return all_gather_seconds(size, self.members, self.link.latency, 1 / self.bandwidth)
 
     def describe(self) -> str:
         where = "one host" if self.hosts == 1 else f"{self.hosts} hosts, {self.per_host} per host"

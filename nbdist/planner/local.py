@@ -15,7 +15,7 @@ One "accelerator" is one engine; all engines are on one host (gpus_per_host = th
 group's link is the measured one. Its memory is the host's RAM shared by the engines. The dtype is fp32: CPU
 engines train in fp32, so the model states take 4 + 4 + 8 bytes per parameter (memory.py).
 
-The probe's functions run on the engines by reference (nbdist.sharding.predict.time_layers, which times a
+The probe's functions run on the engines by reference (nbdist.sharding.profile.time_layers, which times a
 layer's forward and backward where it runs); torch is imported here only when measuring.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _slowest(cluster, layer, inputs) -> float:
     """Seconds per row of `inputs` for forward + backward of `layer`, on every engine at once: the slowest."""
     from torch import nn
 
-    from nbdist.sharding.predict import time_layers
+    from nbdist.sharding.profile import time_layers
 
     times = cluster.run(time_layers, nn.Sequential(layer), inputs, 5)
     return max(forward + backward for (forward, backward), in times)

@@ -17,7 +17,9 @@ recomputation, one block's full activations while it is recomputed; plus the las
 """
 from __future__ import annotations
 
+from nbdist.cost import memory as cost_memory
 from nbdist.cost.hardware import HALF, Hardware
+from nbdist.cost.memory import state_bytes
 from nbdist.planner.layout import Shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import peak_held
@@ -25,17 +27,11 @@ from nbdist.planner.pipeline import peak_held
 PARTS = ("weights", "gradients", "optimizer", "gathered layers", "activations", "logits", "reserved")
 
 
-def state_bytes(dtype: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per parameter: mixed precision 2, 2, 12; fp32 4, 4, 8."""
-    return (2.0, 2.0, 12.0) if dtype in HALF else (4.0, 4.0, 8.0)
-
-
 def model_states(psi: float, dp: int, zero: int, dtype: str) -> dict[str, float]:
-    """Bytes of weights, gradients and optimizer state for Ψ parameters under ZeRO stage `zero` over dp ranks:
-    the ZeRO paper's baseline (2+2+K)Ψ, stage 1 4Ψ + KΨ/N, stage 2 2Ψ + (2+K)Ψ/N, stage 3 (2+2+K)Ψ/N."""
-    w, g, o = state_bytes(dtype)
-    return {"weights": w * psi / (dp if zero >= 3 else 1), "gradients": g * psi / (dp if zero >= 2 else 1),
-            "optimizer": o * psi / (dp if zero >= 1 else 1)}
+    """Bytes of weights, gradients and optimizer state for Ψ parameters under ZeRO stage `zero` over dp ranks
+    (cost/memory.py's rule: the ZeRO paper's baseline (2+2+K)Ψ, stage 1 4Ψ + KΨ/N, stage 2 2Ψ + (2+K)Ψ/N, stage 3
+    (2+2+K)Ψ/N)."""
+    return cost_memory.model_states(psi, dp, zero, state_bytes(dtype))
 
 
 def element_bytes(dtype: str) -> float:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nbdist.planner import memory, ops, pipeline
+from nbdist.cost import data_parallel
 from nbdist.cost.hardware import Hardware
+from nbdist.planner import memory, ops, pipeline
 from nbdist.planner.layout import Placement, Shape, groups, place
 from nbdist.planner.model import GPT
 
@@ -105,8 +106,8 @@ def costs(model: GPT, s: Shape, hw: Hardware, dtype: str, overlap: bool) -> Cost
     w, g, _ = memory.state_bytes(dtype)
     psi = [memory.rank_parameters(model, s, r) for r in range(s.pp)]
     dp = where["dp"]
-    dp_sync = max(dp.all_reduce(p * g) if s.zero == 0 else dp.gather(p * g) if s.zero == 1 else 0.0 for p in psi)
-    dp_gather = max(dp.gather(p * w) for p in psi) if s.zero in (1, 2) else 0.0
+    after = [data_parallel.after_backward(s.zero, p * g, p * w, dp.all_reduce, dp.gather) for p in psi]
+    dp_sync, dp_gather = max(reduce for reduce, _ in after), max(gather for _, gather in after)
     shards = s.dp if s.zero >= 1 else 1
     optimizer = max(psi) / shards * ADAM_BYTES_PER_PARAMETER / hw.streaming_bandwidth()
     return Costs(chunks, message, dp_sync, dp_gather, _embedding_sync(model, s, hw, g),

@@ -10,7 +10,7 @@ A plan is dp x pp x tp over the world (laid out as nbdist.mesh lays them: pp out
 stage over dp, micro-batches and, with pp > 1, a pipeline schedule. Everything is checked here, in one line, before
 anything runs: the product must be the world size, tp must divide the heads and the split features, the model must
 have as many layers as stages. The kernel builds the model once on CPU to profile it (parameters, activation
-bytes per layer: nbdist/sharding/predict.py); the ranks build their own copies from `model_fn`.
+bytes per layer: nbdist/sharding/profile.py); the ranks build their own copies from `model_fn`.
 
 pp = 1 runs nbdist/sharding/ranks/sharded.py (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor parallel); pp > 1 runs
 nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
@@ -27,7 +27,11 @@ from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.errors import DistUsageError
 from nbdist.cluster.mesh import Mesh, layout
 from nbdist.pipeline_parallel.api import portable
-from nbdist.sharding import predict
+from nbdist.sharding.memory import RankMemory, predict_memory
+from nbdist.sharding.profile import profile_layers, sample_input, with_times
+from nbdist.sharding.shape import check_shape, micro_batch_size
+from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
+from nbdist.tensor_parallel.pairs import tp_plan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
 
@@ -66,10 +70,10 @@ class Plan:
         self.model = _build(model_fn)
         self.batch = batch or 8 * dp * microbatches
         self.boundaries = self._boundaries()
-        predict.check_shape(self.model, dp=dp, pp=pp, tp=tp, zero=zero, microbatches=microbatches,
+        check_shape(self.model, dp=dp, pp=pp, tp=tp, zero=zero, microbatches=microbatches,
                             batch=self.batch, boundaries=self.boundaries)
-        self.layers = predict.profile_layers(self.model, predict.sample_input(self.model), tp)
-        self.overheads: predict.Overheads | None = None  # measured by profile()
+        self.layers = profile_layers(self.model, sample_input(self.model), tp)
+        self.overheads: Overheads | None = None  # measured by profile()
 
     def _refuse_unsupported(self) -> None:
         if self.zero and self.dp == 1:
@@ -105,42 +109,42 @@ class Plan:
 
     # -- what it will cost ----------------------------------------------------------------------------------------
 
-    def predicted_memory(self) -> list[predict.RankMemory]:
+    def predicted_memory(self) -> list[RankMemory]:
         """Bytes per rank of each pipeline stage (ranks of one stage hold the same), for the plan's batch."""
-        return predict.predict_memory(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+        return predict_memory(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                       boundaries=self.boundaries, microbatches=self.microbatches,
                                       schedule=self.schedule, batch=self.batch, optimizer=self.optimizer_kind)
 
     def profile(self, repeats: int = 5) -> "Plan":
         """Time every layer's forward and backward on rank 0 (the engines' device and threads, not the kernel's),
         at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
-        size = predict.micro_batch_size(self.batch, self.dp, self.microbatches)
+        size = micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(on_ranks.time_layers, portable(self.model_fn), size, repeats, ranks=[0])[0]
-        self.layers = predict.with_times(self.layers, times)
+        self.layers = with_times(self.layers, times)
         self.overheads = self._measure_overheads()
         return self
 
-    def _measure_overheads(self) -> predict.Overheads:
+    def _measure_overheads(self) -> Overheads:
         """The libraries' own costs on these engines (DTensor per split Linear, FSDP2 per unit, the optimizer per
         parameter), measured with every rank busy as in a step; the slowest rank's figures."""
         mesh = self.cluster.mesh(dp=self.cluster.world_size // self.tp, tp=self.tp)
         costs = self.cluster.run(on_ranks.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind)
-        return predict.Overheads(
+        return Overheads(
             tp_linear=tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1)),
             fsdp_unit=tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1)),
             optimizer_per_param=max(c["optimizer_per_param"] for c in costs),
             optimizer_per_dtensor=max(c["optimizer_per_dtensor"] for c in costs),
         )
 
-    def predicted_step(self, alpha_beta=None) -> predict.StepTime:
+    def predicted_step(self, alpha_beta=None) -> StepTime:
         """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
         communication, the simulated schedule); profile() first. `alpha_beta`: a fit of this cluster's
         all-reduce (nbdist.collectives.fit_alpha_beta), else the default measured on this kind of machine."""
         if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
-        layers = predict.with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
-        return predict.predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+        layers = with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
+        return predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                             boundaries=self.boundaries, microbatches=self.microbatches,
                                             schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
                                             overheads=self.overheads)
@@ -223,7 +227,7 @@ class Plan:
         merged = {**current, **settings}
         plan = shard(self.model_fn, hook=self.hook, bucket_cap_mb=self.bucket_cap_mb, cluster=self.cluster, **merged)
         if self.layers[0].forward_s is not None:  # layers are timed whole; the prediction divides by tp
-            plan.layers = predict.with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
+            plan.layers = with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
             same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
             plan.overheads = self.overheads if same else None
         return plan
@@ -269,7 +273,7 @@ class Plan:
             return None
         plans = {}
         for stage, (a, b) in enumerate(self.boundaries):
-            plans[stage] = predict.tp_plan(nn.Sequential(*list(self.model)[a:b]))
+            plans[stage] = tp_plan(nn.Sequential(*list(self.model)[a:b]))
         return plans
 
 

@@ -17,7 +17,7 @@ from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
 from nbdist.pipeline_parallel.api import check_batch, portable
 from nbdist.schedules.simulate import Timeline
-from nbdist.sharding import predict
+from nbdist.tensor_parallel.pairs import tp_plan
 from nbdist.sharding.spec import ShardSpec
 
 _numbers = itertools.count()
@@ -31,7 +31,7 @@ class Sharded(GatheredModel):
         ddp = {"hook": plan.hook} | ({"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {})
         spec = ShardSpec(self.id, self.mesh.name, plan.dp, plan.tp, plan.zero, plan.microbatches,
                          portable(plan.model_fn), portable(optimizer_fn),
-                         predict.tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
+                         tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
         self.cluster.run(on_ranks.setup, spec)
         self.timeline: Timeline | None = None
         self.last_results: list[dict] = []

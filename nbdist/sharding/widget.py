@@ -31,7 +31,9 @@ import ipywidgets as widgets
 from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.mesh import layout
 from nbdist.pipeline_parallel.stages import layer_counts
-from nbdist.sharding import predict
+from nbdist.sharding.profile import LayerProfile
+from nbdist.sharding.shape import micro_batch_size
+from nbdist.sharding.step_time import StepTime
 from nbdist.units import format_bytes
 from nbdist.viz.display import figure_html
 from nbdist.viz.plan import layers_html, memory_figure, placement_figure
@@ -54,7 +56,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layer_sizes(layers: list[predict.LayerProfile], by: str, tp: int, micro_batch: int) -> list[float]:
+def layer_sizes(layers: list[LayerProfile], by: str, tp: int, micro_batch: int) -> list[float]:
     """Per layer, what a balanced cut evens out: parameters, profiled seconds (forward + backward), or the layer's
     own bytes (its parameters' tp slice, fp32, plus one micro-batch's saved activations)."""
     if by == "parameters":
@@ -90,7 +92,7 @@ class PlannerView(Controls, WithStaticCopy):
         self.refusal: str | None = None
         self.applied = None
         self.applied_plan = None
-        self.step: predict.StepTime | None = None
+        self.step: StepTime | None = None
         self._note = ""
         self._figures: list = []
         self._static_handle = None
@@ -178,7 +180,7 @@ class PlannerView(Controls, WithStaticCopy):
             return parse_counts(self.counts.value)
         if s["pp"] * s["chunks"] > len(self.origin.layers):
             return None  # no cut exists: the plan refuses it, in its own words
-        micro = predict.micro_batch_size(s["batch"], s["dp"], s["microbatches"])
+        micro = micro_batch_size(s["batch"], s["dp"], s["microbatches"])
         sizes = layer_sizes(self.origin.layers, self.balance_by.value, s["tp"], micro)
         return layer_counts(sizes, s["pp"] * s["chunks"])
 
@@ -301,7 +303,7 @@ class PlannerView(Controls, WithStaticCopy):
         return f"<PlannerView of {self.plan.describe()}>"
 
 
-def _predicted_step(plan) -> predict.StepTime | None:
+def _predicted_step(plan) -> StepTime | None:
     """The plan's predicted step once its layers are timed (never profiles: that is the button's to do)."""
     if any(layer.forward_s is None for layer in plan.layers):
         return None
@@ -325,7 +327,7 @@ def _holds(plan, row: dict) -> list[str]:
 def _layer_rows(plan) -> list[dict]:
     """One row per layer for viz.plan.layers_html: its profile at this plan's tp, its stage, its times per
     micro-batch (the profile's seconds per sample x the plan's micro-batch size)."""
-    size = predict.micro_batch_size(plan.batch, plan.dp, plan.microbatches)
+    size = micro_batch_size(plan.batch, plan.dp, plan.microbatches)
     stage_of = {i: s for s, (a, b) in enumerate(plan.boundaries or []) for i in range(a, b)}
     rows = []
     for i, layer in enumerate(plan.layers):

@@ -2,7 +2,7 @@
 
 Drawn from plain data only (the rows `Plan.ranks()` gives, a Mesh, dicts of numbers), so the planner widget, a
 static copy in an exported notebook and a test all draw the same thing from the same numbers. The numbers are
-never computed here: they come from nbdist/sharding/predict.py through the plan.
+never computed here: they come from nbdist/sharding/memory.py and step_time.py through the plan.
 
 Memory is one stacked bar per rank, in bytes (hover: binary units, as every nbdist table prints them), with the
 four parts the ZeRO paper names: parameters, gradients, optimizer state, activations. The placement figure is the

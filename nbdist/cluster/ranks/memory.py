@@ -1,5 +1,5 @@
 """What a rank really holds: bytes of its parameters, gradients and optimizer state, and the activations autograd
-saves for backward, measured by storage. The plan's predictions (nbdist/sharding/predict.py) are checked
+saves for backward, measured by storage. The plan's predictions (nbdist/sharding/memory.py) are checked
 against these.
 
 Counting storages, not tensors: views (a transposed weight, a DTensor's local shard, FSDP2's unsharded parameter

@@ -110,10 +110,10 @@ class ShardedModel:
 def time_layers(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, float]]:
     """The model built from the user's function on this rank, each layer timed alone at `size` samples (what the
     plan's step-time prediction starts from: the engines' own cores and threads, not the kernel's)."""
-    from nbdist.sharding import predict
+    from nbdist.sharding.profile import sample_input, time_layers
 
     model = restore(model_fn)()
-    return predict.time_layers(model, predict.sample_input(model, size), repeats)
+    return time_layers(model, sample_input(model, size), repeats)
 
 
 def setup(spec) -> str:

@@ -4,7 +4,7 @@ A column-parallel Linear keeps out_features / tp rows of its weight, so each ran
 the row-parallel Linear after it keeps in_features / tp columns, takes that slice as its input and all-reduces its
 partial output. Between the two nothing needs the whole features (attention heads, an element-wise activation), so
 a pair costs one all-reduce forward and one backward. Which Linear layers pair up is decided once, in the plan
-(nbdist/sharding/predict.py, tp_pairs / tp_plan), and applied here with torch's own `parallelize_module`.
+(nbdist/tensor_parallel/pairs.py, tp_pairs / tp_plan), and applied here with torch's own `parallelize_module`.
 """
 from __future__ import annotations
 

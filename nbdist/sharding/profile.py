@@ -1,0 +1,279 @@
+"""A model's profile, made in the notebook kernel before any rank builds anything: per top-level layer of the
+nn.Sequential, its parameters (and which of them tensor parallelism divides), the bytes autograd saves for backward
+per sample, and the tensor-parallel all-reduces it would make (`profile_layers`: one small real forward on CPU).
+`time_layers` (run on an engine by the plan) adds forward and backward seconds per sample (`with_times`).
+
+The memory and step-time predictions (sharding/memory.py, sharding/step_time.py) read only this profile.
+Plain data: imports torch and torch.nn, never torch.distributed, so both the kernel and the engines can read it.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+from functools import reduce
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from nbdist.checks import whole_number
+from nbdist.errors import DistUsageError
+from nbdist.tensor_parallel.pairs import check_tp, tp_pairs, tp_plan
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter: its full shape, and the dimension tensor parallel splits (0 column, 1 row weight, None: kept
+    whole on every rank)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+
+    def local_shape(self, tp: int = 1) -> tuple[int, ...]:
+        if self.tp_dim is None:
+            return self.shape
+        return tuple(s // tp if d == self.tp_dim else s for d, s in enumerate(self.shape))
+
+    def numel(self, tp: int = 1) -> int:
+        return math.prod(self.local_shape(tp))
+
+    def shard_numel(self, tp: int, dp: int) -> int:
+        """Elements of FSDP2's shard on one of dp ranks: dim 0 cut in ceil(rows / dp) rows (the last shards padded,
+        as FSDP2 pads them)."""
+        shape = self.local_shape(tp) or (1,)
+        return -(-shape[0] // dp) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One top-level layer of the Sequential, for one sample (bytes are fp32 as profiled).
+
+    Saved bytes count each storage autograd keeps for backward once, in the first layer that saves it.
+    `input_bytes_per_sample` is what a layer saves that an earlier layer already saved (its input, e.g. a ReLU's
+    output that the next Linear saves again): a pipeline stage that starts at this layer holds it once more, as its
+    received input. The `*_split_*` parts are what tensor parallel divides by tp (measured on the tp-sliced layer).
+    `tp_allreduce_bytes_per_sample`: the layer's tensor-parallel all-reduces, (forward bytes, backward bytes) each:
+    a row-parallel Linear's output in forward, a column-parallel Linear's input gradient in backward.
+    """
+
+    name: str
+    kind: str
+    params: int
+    tp_params: int
+    tensors: tuple[ParamShape, ...]
+    activation_bytes_per_sample: float
+    activation_split_bytes_per_sample: float
+    input_bytes_per_sample: float
+    input_split_bytes_per_sample: float
+    output_bytes_per_sample: float
+    tp_allreduce_bytes_per_sample: tuple[tuple[float, float], ...] = ()
+    forward_s: float | None = None  # per sample, None until timed (time_layers, with_times)
+    backward_s: float | None = None
+
+    def saved_bytes(self, tp: int = 1) -> float:
+        """Bytes per sample this layer saves for backward on one of tp ranks."""
+        return _divided(self.activation_bytes_per_sample, self.activation_split_bytes_per_sample, tp)
+
+    def input_saved_bytes(self, tp: int = 1) -> float:
+        return _divided(self.input_bytes_per_sample, self.input_split_bytes_per_sample, tp)
+
+
+def _divided(whole: float, split: float, tp: int) -> float:
+    return whole - split + split / tp
+
+
+def profile_layers(model: nn.Sequential, sample_input: torch.Tensor, tp: int = 1) -> list[LayerProfile]:
+    """Profile each top-level layer with one forward of `sample_input` (a small batch) in this process.
+
+    The tensor-parallel part of the saved bytes is measured, not assumed: the model is rebuilt with its pairs
+    sliced (column layers keep out_features / t, row layers in_features / t) and counted again; whole = R + S,
+    sliced = R + S / t gives S. t is `tp`, or with tp=1 the smallest split the model allows, so a profile serves
+    every tp (the sliced sizes are linear in 1/t). A model on the meta device is materialised on CPU first.
+    """
+    if tp > 1:
+        check_tp(model, tp)
+    model, x = _runnable(model, sample_input)
+    batch = x.shape[0]
+    whole = _saved_bytes(model, x)
+    t = tp if tp > 1 else _smallest_split(model)
+    sliced = _saved_bytes(_tp_sliced(model, t), x) if t > 1 else whole
+    split = (lambda a, b: (a - b) * t / (t - 1)) if t > 1 else (lambda a, b: 0.0)
+    allreduces = _allreduces_per_layer(model, whole["io"])
+    shapes = _param_shapes(model)
+    profiles = []
+    for i, (name, layer) in enumerate(model.named_children()):
+        tensors = shapes[i]
+        profiles.append(LayerProfile(
+            name=name, kind=type(layer).__name__, params=sum(p.numel() for p in tensors),
+            tp_params=sum(p.numel() for p in tensors if p.tp_dim is not None), tensors=tensors,
+            activation_bytes_per_sample=whole["own"][i] / batch,
+            activation_split_bytes_per_sample=split(whole["own"][i], sliced["own"][i]) / batch,
+            input_bytes_per_sample=whole["again"][i] / batch,
+            input_split_bytes_per_sample=split(whole["again"][i], sliced["again"][i]) / batch,
+            output_bytes_per_sample=whole["output"][i] / batch,
+            tp_allreduce_bytes_per_sample=tuple((f / batch, b / batch) for f, b in allreduces[i]),
+        ))
+    return profiles
+
+
+def _runnable(model: nn.Sequential, x: torch.Tensor) -> tuple[nn.Sequential, torch.Tensor]:
+    """The model and input in real memory: a meta model is copied to real (uninitialised) storage; sizes are all
+    the profile reads from it."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model = copy.deepcopy(model).to_empty(device="cpu")
+    # its own storage: a view of a larger batch (x[:2]) would count the whole batch as the layer's saved input
+    x = torch.zeros(x.shape, dtype=x.dtype) if x.is_meta else x.clone()
+    return model, x
+
+
+def _param_shapes(model: nn.Sequential) -> list[tuple[ParamShape, ...]]:
+    split = {}
+    for column, row in tp_pairs(model):
+        split[f"{column}.weight"] = split[f"{column}.bias"] = 0
+        split[f"{row}.weight"] = 1
+    return [tuple(ParamShape(f"{name}.{p}", tuple(t.shape), split.get(f"{name}.{p}"))
+                  for p, t in layer.named_parameters()) for name, layer in model.named_children()]
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """Autograd also saves weights (or views of them) for backward; they are parameters, not activations."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _saved_bytes(model: nn.Sequential, x: torch.Tensor) -> dict:
+    """One forward of `model` (kept alive until counted): per top-level layer the bytes of storages it saves for
+    backward that no earlier layer saved ("own") and that one did ("again"), its output's bytes, and per split
+    Linear its input and output bytes ("io")."""
+    n = len(model)
+    out = {"own": [0] * n, "again": [0] * n, "output": [0] * n, "io": {}}
+    owner: dict[int, int] = {}
+    counted: set[tuple[int, int]] = set()
+    current = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage, i = t.untyped_storage(), current[0]
+        if not _is_parameter(t) and storage.nbytes() and (i, storage.data_ptr()) not in counted:
+            counted.add((i, storage.data_ptr()))
+            first = owner.setdefault(storage.data_ptr(), i)
+            out["own" if first == i else "again"][i] += storage.nbytes()
+        return t.detach()  # a saved output kept with its grad_fn would be a cycle that keeps the graph alive
+
+    hooks = []
+    for i, layer in enumerate(model):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, y, i=i: out["output"].__setitem__(i, _nbytes(y))))
+    for name in tp_plan(model):
+        hooks.append(model.get_submodule(name).register_forward_hook(
+            lambda m, a, y, name=name: out["io"].__setitem__(name, (_nbytes(a[0]), _nbytes(y)))))
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = model(x)
+        del result
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _allreduces_per_layer(model: nn.Sequential, io: dict) -> list[list[tuple[int, int]]]:
+    """Per top-level layer, its tensor-parallel all-reduces as (forward bytes, backward bytes), one entry each:
+    every row-parallel Linear all-reduces its output in forward (Megatron's g); every column-parallel Linear
+    all-reduces its input's gradient in backward (Megatron's f). Megatron fuses q, k and v into one column layer
+    (one f per attention); DTensor on separate q, k, v layers does three (counted on the ranks with CommDebugMode:
+    2 all-reduces per GPT block forward, 4 backward)."""
+    index = {name: i for i, (name, _) in enumerate(model.named_children())}
+    out: list[list[tuple[int, int]]] = [[] for _ in model]
+    rows = dict.fromkeys(row for _, row in tp_pairs(model))
+    columns = dict.fromkeys(column for column, _ in tp_pairs(model))
+    for row in rows:
+        out[index[row.split(".")[0]]].append((io[row][1], 0))
+    for column in columns:
+        out[index[column.split(".")[0]]].append((0, io[column][0]))
+    return out
+
+
+def _smallest_split(model: nn.Sequential) -> int:
+    """The smallest tp > 1 every pair's inner size (and the heads) divides; 1 if there is none."""
+    sizes = [model.get_submodule(c).out_features for c, _ in tp_pairs(model)]
+    sizes += [getattr(getattr(model, "config", None), "heads", None) or 0]
+    common = reduce(math.gcd, sizes, 0)
+    return next((t for t in range(2, common + 1) if common % t == 0), 1)
+
+
+def _tp_sliced(model: nn.Sequential, tp: int) -> nn.Sequential:
+    """A copy of `model` as one tensor-parallel rank holds it: column layers with out_features / tp, row layers with
+    in_features / tp (the first slice of the weights)."""
+    sliced = copy.deepcopy(model)
+    for name, style in tp_plan(model).items():
+        old = sliced.get_submodule(name)
+        rows, cols = (old.out_features // tp, old.in_features) if style == "colwise" else (
+            old.out_features, old.in_features // tp)
+        new = nn.Linear(cols, rows, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(old.weight[:rows, :cols])
+            if old.bias is not None:
+                new.bias.copy_(old.bias[:rows])
+        parent, _, child = name.rpartition(".")
+        setattr(sliced.get_submodule(parent) if parent else sliced, child, new)
+    return sliced
+
+
+def sample_input(model: nn.Sequential, size: int = 1) -> torch.Tensor:
+    """`size` samples of the model's input, filled deterministically: tokens below the vocabulary for the package's
+    transformer (it has a `config`), else normal features for the first Linear."""
+    config = getattr(model, "config", None)
+    generator = torch.Generator().manual_seed(0)
+    if config is not None and hasattr(config, "seq"):
+        return torch.randint(0, config.vocab, (size, config.seq), generator=generator)
+    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if first is None:
+        raise DistUsageError("cannot tell the model's input: it is neither nbdist.models.gpt nor starts with a Linear")
+    return torch.randn(size, first.in_features, generator=generator)
+
+
+def time_layers(model: nn.Sequential, sample_batch: torch.Tensor, repeats: int = 5) -> list[tuple[float, float]]:
+    """(forward, backward) seconds per sample of each top-level layer, run alone in this process (an engine's, to
+    time its device): the median of `repeats` runs after one warm-up, divided by the batch. A copy is timed, so the
+    model's gradients are left as they were."""
+    whole_number(repeats, "repeats")
+    model, x = _runnable(copy.deepcopy(model), sample_batch)
+    inputs = []
+    with torch.no_grad():
+        for layer in model:
+            inputs.append(x)
+            x = layer(x)
+    return [_time_layer(layer, inp, repeats, sample_batch.shape[0]) for layer, inp in zip(model, inputs)]
+
+
+def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> tuple[float, float]:
+    # a GPU only queues kernels: wait for them before reading the clock (only ever on an engine's GPU tensors)
+    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    forward, backward = [], []
+    for _ in range(repeats + 1):  # the first run warms up the allocator and autograd
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        wait()
+        start = time.perf_counter()
+        y = layer(x_in)
+        wait()
+        middle = time.perf_counter()
+        if y.requires_grad:
+            y.backward(torch.ones_like(y))
+        wait()
+        end = time.perf_counter()
+        forward.append(middle - start)
+        backward.append(end - middle)
+    return statistics.median(forward[1:]) / batch, statistics.median(backward[1:]) / batch
+
+
+def with_times(layers: Sequence[LayerProfile], times: Sequence[tuple[float, float]]) -> list[LayerProfile]:
+    """The profiles with `time_layers`' seconds filled in."""
+    if len(times) != len(layers):
+        raise DistUsageError(f"got times for {len(times)} layers, but the profile has {len(layers)}")
+    return [replace(layer, forward_s=f, backward_s=b) for layer, (f, b) in zip(layers, times)]
