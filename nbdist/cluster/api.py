@@ -13,17 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from nbdist.cluster import launch
 from nbdist.checks import is_whole
+from nbdist.cluster import launch
 from nbdist.cluster.deaths import DeathWatch
-from nbdist.cluster.ranks import boot
-from nbdist.cluster.ranks import gpu_sync
-from nbdist.cluster.ranks import rank_mesh
-from nbdist.cluster.ranks import registry
-from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.cluster.mesh import Mesh, layout
 from nbdist.cluster.options import ClusterOptions
+from nbdist.cluster.ranks import boot, gpu_sync, rank_mesh, registry
 from nbdist.cluster.remote import SHOW_MODES, OutputRelay, Waiter
+from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.units import format_bytes
 
 _current: "Cluster | None" = None

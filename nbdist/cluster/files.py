@@ -16,9 +16,9 @@ import time
 
 import psutil
 
-from nbdist.errors import DistError
 from nbdist.cluster.lifeline import OWNER_FILE, owner_of
 from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistError
 
 CLUSTER_DIR_ENV = "NBDIST_CLUSTER_DIR"  # where the clusters' profile directories go (default: see profile_root)
 USER_CONFIG_FILES = ("ipcluster_config", "ipcontroller_config", "ipengine_config")

@@ -30,9 +30,8 @@ import psutil
 
 from nbdist.cluster import files as cluster_files
 from nbdist.cluster import lifeline_server
-from nbdist.errors import DistError
 from nbdist.cluster.options import ClusterOptions
-
+from nbdist.errors import DistError
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)

@@ -25,8 +25,8 @@ import socket
 import threading
 import time
 
-from nbdist.errors import DistUsageError
 from nbdist.cluster.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, HOST_ENV, TOKEN_ENV, WATCH_ENV
+from nbdist.errors import DistUsageError
 
 MASTER_ADDR_ENV = "NBDIST_MASTER_ADDR"  # the address other hosts reach this one by (the rendezvous uses it too)
 THREAD_NAME = "nbdist-lifeline-server"

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from nbdist.errors import DistError, DistInterrupt
 from nbdist.cluster.tracebacks import remote_summary, remote_traceback
+from nbdist.errors import DistError, DistInterrupt
 
 ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
 INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was

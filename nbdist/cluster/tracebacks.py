@@ -13,6 +13,7 @@ import re
 from typing import Iterator
 
 from nbdist.errors import debugging
+from nbdist.wire import SENT_BY_VALUE, defined_in
 
 
 def remote_summary(error: BaseException) -> str:
@@ -30,18 +31,6 @@ def remote_traceback(error: BaseException) -> str:
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FRAME_HEADER = re.compile(r"^(?:File (?P<path>.+?):(?P<line>\d+)\b(?:, in (?P<name>[^(\s]+))?|Cell In\[|Input In \[)")
-SENT_BY_VALUE = "<dynamic-code>"  # cloudpickle's file name for the code of a function it sent by value
-_sent_functions: dict[str, str] = {}  # qualified name -> the kernel file (cell) it was defined in
-
-
-def remember_source(fn) -> None:
-    """Note where a function that is sent to the ranks by value (cloudpickle) was defined, so that a traceback
-    through it shows its source: cloudpickle replaces the file name with "<dynamic-code>"."""
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        _sent_functions[fn.__qualname__] = code.co_filename
-
-
 NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above cluster/
 HIDDEN_PARTS = (f"{os.sep}ipyparallel{os.sep}", f"site-packages{os.sep}nbdist{os.sep}")
 NO_SOURCE = "Could not get source"
@@ -64,8 +53,8 @@ def user_frames(lines: list[str]) -> list[str]:
         hidden = _hidden(path) or (path == "<string>" and hide_string_frame)
         hide_string_frame = hidden
         if not hidden:
-            if path == SENT_BY_VALUE and (match.group("name") or "") in _sent_functions:
-                path = _sent_functions[match.group("name")]
+            if path == SENT_BY_VALUE and defined_in(match.group("name") or "") is not None:
+                path = defined_in(match.group("name"))
                 block = [block[0].replace(SENT_BY_VALUE, path, 1)] + block[1:]
             kept += _with_kernel_source(block, path, int(match.group("line") or 0))
             any_frame = True

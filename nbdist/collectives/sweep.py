@@ -87,7 +87,9 @@ def benchmark(
     no rank waiting in a collective.
     """
     from nbdist.cluster.api import current
-    from nbdist.collectives.ranks import collective_timing  # sent to the engines by reference: they import it themselves
+    from nbdist.collectives.ranks import (
+        collective_timing,  # sent to the engines by reference: they import it themselves
+    )
 
     cluster = cluster or current()
     ops, vias, sizes = _parse(ops, OPS, "op"), _parse(via, VIAS, "via"), _parse_sizes(sizes)

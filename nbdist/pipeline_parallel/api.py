@@ -27,11 +27,11 @@ from torch import nn
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
-from nbdist.pipeline_parallel.ranks import pairs
-from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
+from nbdist.cluster.mesh import Mesh
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.cluster.mesh import Mesh
+from nbdist.pipeline_parallel.ranks import pairs
+from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
 from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
 from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
@@ -39,6 +39,7 @@ from nbdist.schedules.generators import build
 from nbdist.schedules.nccl import check_nccl
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Timeline, measured_durations
+from nbdist.wire import portable
 
 _numbers = itertools.count()
 LIVE_PUBLISH_SECONDS = 0.25  # how often ranks publish their spans while a live view watches (>= 2 updates/s)
@@ -396,19 +397,6 @@ def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
             raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
     if inputs.shape[0] != targets.shape[0]:
         raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
-
-
-def portable(fn: Callable | None) -> bytes | None:
-    """A user function as self-contained bytes (cloudpickle, by value with what it references), so a model
-    builder or loss written in a notebook cell runs on the engines even if they never imported torch."""
-    import cloudpickle
-
-    from nbdist.cluster.tracebacks import remember_source
-
-    if fn is None:
-        return None
-    remember_source(fn)  # a traceback through it on a rank then shows its source, not "<dynamic-code>"
-    return cloudpickle.dumps(fn)
 
 
 def _meta_model(model) -> nn.Sequential:

@@ -11,8 +11,8 @@ place in `pipe.timeline`. With data parallelism every replica advances by the sa
 """
 from __future__ import annotations
 
-from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.errors import DistUsageError
+from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.pipeline_parallel.stepping import TickState, state_at, tick_timeline, total_ticks
 from nbdist.schedules.simulate import Timeline
 

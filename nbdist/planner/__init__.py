@@ -13,11 +13,11 @@ for the bubble), step.py (every term of the step's time), prediction.py (predict
 the frontier), published.py (published runs the planner is checked against), local.py ("local": this machine's
 CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the engines.
 """
-from nbdist.planner.catalog import hardware
 from nbdist.cost.hardware import PROFILES, Hardware, Link
+from nbdist.planner.catalog import hardware
+from nbdist.planner.frontier import SearchResult, search
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, gpt
-from nbdist.planner.frontier import SearchResult, search
 from nbdist.planner.prediction import Prediction, predict
 
 __all__ = ["GPT", "PROFILES", "Hardware", "Link", "Prediction", "SearchResult", "Shape", "gpt", "hardware", "predict",

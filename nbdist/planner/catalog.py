@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from nbdist.checks import one_of
+from nbdist.cost.hardware import PROFILES, Hardware
 from nbdist.errors import DistUsageError
 from nbdist.planner import local
-from nbdist.cost.hardware import PROFILES, Hardware
 
 NAMES = (*PROFILES, "local")
 

@@ -18,13 +18,13 @@ import re
 from dataclasses import dataclass, field
 
 from nbdist.checks import whole_number
+from nbdist.cost.hardware import Hardware
 from nbdist.errors import DistUsageError
 from nbdist.planner import memory as mem
 from nbdist.planner import step
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, RECOMPUTE
 from nbdist.planner.prediction import Prediction, predict_shape
-from nbdist.cost.hardware import Hardware
 from nbdist.units import format_bytes
 
 

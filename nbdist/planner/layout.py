@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nbdist.checks import one_of, whole_number
-from nbdist.errors import DistUsageError
 from nbdist.cost.collectives import all_gather_seconds, all_reduce_seconds
 from nbdist.cost.hardware import Hardware, Link
+from nbdist.errors import DistUsageError
+from nbdist.layout import Layout
 from nbdist.planner.model import GPT, RECOMPUTE
 
 
@@ -48,6 +49,12 @@ class Shape:
         if self.chunks > 1:
             return "interleaved-1f1b"
         return "1f1b" if self.microbatches >= self.pp else "gpipe"
+
+    @property
+    def layout(self) -> Layout:
+        """The same choices as the Layout that nbdist.shard and the Trainer take."""
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero, schedule=self.schedule,
+                      microbatches=self.microbatches, chunks=self.chunks)
 
     def describe(self) -> str:
         extras = [f"v={self.chunks}"] if self.chunks > 1 else []

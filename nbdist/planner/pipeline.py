@@ -18,6 +18,7 @@ from nbdist.schedules import Schedule, Timeline
 from nbdist.schedules.generators import GENERATORS, check_parameters
 from nbdist.schedules.schedule import add_comms
 
+
 @dataclass(frozen=True)
 class PipelineRun:
     """One step's pipeline: `makespan` (s), per rank its compute time (`busy`), and the simulated `timeline`."""

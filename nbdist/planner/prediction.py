@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nbdist.checks import one_of
+from nbdist.cost.hardware import Hardware
 from nbdist.planner import memory as mem
 from nbdist.planner import step
-from nbdist.cost.hardware import Hardware
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import PipelineRun

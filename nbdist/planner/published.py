@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbdist.cost.hardware import Hardware
+from nbdist.planner.catalog import hardware
 from nbdist.planner.model import GPT, gpt
 from nbdist.planner.prediction import Prediction, predict
-from nbdist.planner.catalog import hardware
-from nbdist.cost.hardware import Hardware
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
 MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3"

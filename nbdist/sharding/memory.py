@@ -17,7 +17,6 @@ from nbdist.sharding.shape import layout, micro_batch_size
 from nbdist.units import format_bytes
 
 
-
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank holds at its peak, by kind (what nbdist.cluster.ranks.memory.state_bytes and ActivationMeter

@@ -23,28 +23,39 @@ from torch import nn
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
-from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.errors import DistUsageError
-from nbdist.cluster.mesh import Mesh, layout
-from nbdist.pipeline_parallel.api import portable
+from nbdist.layout import Layout
 from nbdist.sharding.memory import RankMemory, predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input, with_times
+from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.sharding.shape import check_shape, micro_batch_size
 from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.wire import portable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
 
 
-def shard(model_fn: Callable[[], nn.Module], dp: int = 1, pp: int = 1, tp: int = 1, zero: int = 0,
+def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1, tp: int = 1, zero: int = 0,
           microbatches: int = 1, schedule: str = "1f1b", *, chunks: int = 1, batch: int | None = None,
           balance: list[int] | None = None,
           optimizer: str = "adam", hook: str = "auto", bucket_cap_mb: float | None = None,
           cluster: Cluster | None = None) -> "Plan":
-    """A plan of `model_fn`'s model over the running cluster (see the module docstring). `batch` is the global
-    batch the memory prediction assumes (default: 8 samples per micro-batch); `optimizer` the kind it assumes
-    ("adam", "sgd", "sgd-momentum"); `hook` and `bucket_cap_mb` go to DDP; `chunks` model pieces per pipeline rank
-    (interleaved-1f1b needs 2 or more); `balance` layers per piece (default: balanced by parameters)."""
+    """A plan of `model_fn`'s model over the running cluster (see the module docstring): a Layout
+    (`shard(model_fn, Layout(dp=2, tp=2))`) or its choices as keywords (`shard(model_fn, dp=2, tp=2)`). `batch` is
+    the global batch the memory prediction assumes (default: 8 samples per micro-batch); `optimizer` the kind it
+    assumes ("adam", "sgd", "sgd-momentum"); `hook` and `bucket_cap_mb` go to DDP; `chunks` model pieces per
+    pipeline rank (interleaved-1f1b needs 2 or more); `balance` layers per piece (default: balanced by
+    parameters)."""
+    if isinstance(dp, Layout):
+        given = dict(pp=pp, tp=tp, zero=zero, microbatches=microbatches, schedule=schedule, chunks=chunks,
+                     balance=balance)
+        defaults = dict(pp=1, tp=1, zero=0, microbatches=1, schedule="1f1b", chunks=1, balance=None)
+        if given != defaults:
+            raise DistUsageError("give the layout's choices in one place: a Layout, or keywords, not both")
+        layout = dp
+        dp, pp, tp, zero = layout.dp, layout.pp, layout.tp, layout.zero
+        microbatches, schedule, chunks, balance = layout.microbatches, layout.schedule, layout.chunks, layout.balance
     return Plan(model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
                 bucket_cap_mb, cluster or current())
 
@@ -59,6 +70,7 @@ class Plan:
         if not callable(model_fn):
             raise DistUsageError(f"model_fn must be a function that builds the model, got {type(model_fn).__name__}")
         self.cluster, self.model_fn = cluster, model_fn
+        self.layout = Layout(dp, pp, tp, zero, schedule, microbatches, chunks, balance)
         self.dp, self.pp, self.tp, self.zero = dp, pp, tp, zero
         self.microbatches, self.chunks, self.balance = microbatches, chunks, balance
         self.optimizer_kind, self.hook, self.bucket_cap_mb = optimizer, hook, bucket_cap_mb
@@ -161,14 +173,9 @@ class Plan:
         here = sum(host == socket.gethostname() for host in self.cluster.hosts)
         return max(1.0, here / len(os.sched_getaffinity(0)))
 
-    @property
-    def layout(self) -> Mesh:
-        """The plan's mesh as plain data (which rank is which replica, stage and slice), without building it."""
-        return layout(self.cluster.world_size, pp=self.pp, dp=self.dp, tp=self.tp)
-
     def ranks(self) -> list[dict]:
         """One row per rank: its coordinates, its layers and its predicted memory."""
-        mesh = self.layout
+        mesh = self.layout.mesh()
         memory = self.predicted_memory()
         rows = []
         for rank in range(self.cluster.world_size):

@@ -23,6 +23,7 @@ from nbdist.checks import whole_number
 from nbdist.errors import DistUsageError
 from nbdist.tensor_parallel.pairs import check_tp, tp_pairs, tp_plan
 
+
 @dataclass(frozen=True)
 class ParamShape:
     """One parameter: its full shape, and the dimension tensor parallel splits (0 column, 1 row weight, None: kept

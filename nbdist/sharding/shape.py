@@ -11,12 +11,12 @@ from torch import nn
 from nbdist.checks import whole_number
 from nbdist.cost.memory import check_zero
 from nbdist.errors import DistUsageError
-from nbdist.pipeline_parallel.stages import boundaries as ranges_of, layer_counts
+from nbdist.pipeline_parallel.stages import boundaries as ranges_of
+from nbdist.pipeline_parallel.stages import layer_counts
 from nbdist.schedules.generators import build
 from nbdist.schedules.schedule import Schedule
 from nbdist.sharding.profile import LayerProfile
 from nbdist.tensor_parallel.pairs import check_tp, tp_pairs
-
 
 
 def check_shape(model: nn.Sequential, *, dp: int, pp: int, tp: int, zero: int, microbatches: int, batch: int,

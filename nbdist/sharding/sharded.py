@@ -12,13 +12,14 @@ from typing import Callable
 
 import torch
 
-from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.pipeline_parallel.api import check_batch, portable
+from nbdist.pipeline_parallel.api import check_batch
 from nbdist.schedules.simulate import Timeline
-from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.sharding.spec import ShardSpec
+from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.wire import portable
 
 _numbers = itertools.count()
 

@@ -28,8 +28,8 @@ from typing import Callable
 
 import ipywidgets as widgets
 
-from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.mesh import layout
+from nbdist.errors import DistError, DistUsageError
 from nbdist.pipeline_parallel.stages import layer_counts
 from nbdist.sharding.profile import LayerProfile
 from nbdist.sharding.shape import micro_batch_size

@@ -20,16 +20,18 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import fields
 from typing import Callable
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
-from nbdist.training.ranks import training as on_ranks
 from nbdist.errors import DistInterrupt, DistUsageError
-from nbdist.pipeline_parallel.api import portable
+from nbdist.layout import Layout
 from nbdist.training import checkpoints
 from nbdist.training.history import History
+from nbdist.training.ranks import training as on_ranks
 from nbdist.training.spec import PRECISIONS, SYNC_KINDS, TrainSpec
+from nbdist.wire import portable
 
 _numbers = itertools.count()
 
@@ -110,6 +112,8 @@ class Trainer:
         from nbdist.sharding.plan import Plan, shard
 
         world = self.cluster.world_size
+        if isinstance(plan, Layout):  # the same choices as a dict of nbdist.shard's keywords
+            plan = {f.name: getattr(plan, f.name) for f in fields(plan) if getattr(plan, f.name) != f.default}
         if sync != "allreduce":
             if plan is not None and not (isinstance(plan, dict) and set(plan) <= {"dp"}):
                 raise DistUsageError(f"sync={sync!r} trains whole replicas: give plan=None (or {{'dp': {world}}}), "
@@ -120,7 +124,7 @@ class Trainer:
         if isinstance(plan, dict):
             return shard(model_fn, **{"microbatches": grad_accum, **plan}, cluster=self.cluster)
         if not isinstance(plan, Plan):
-            raise DistUsageError(f"plan must be None, a dict of nbdist.shard's choices or a Plan, got "
+            raise DistUsageError(f"plan must be None, a Layout, a dict of nbdist.shard's choices or a Plan, got "
                                  f"{type(plan).__name__}")
         if grad_accum != 1 and plan.microbatches != grad_accum:
             raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.cluster.ranks import registry
 from nbdist.cluster.mesh import Mesh
+from nbdist.cluster.ranks import registry
 
 KIND = "mesh"
 

@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nbdist.cost.collectives import REDUCING_PHASES
 from nbdist.cluster.ranks import groups
+from nbdist.cost.collectives import REDUCING_PHASES
 from nbdist.errors import DistUsageError
 
 DATA_TAG, MASK_TAG = 0, 1

@@ -13,10 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from nbdist.collectives.ops import ELEMENT_BYTES, GLOO_REDUCE_SCATTER_NOTE, ROOT
 from nbdist.cluster.ranks import groups
 from nbdist.cluster.ranks.compat import all_gather_single, reduce_scatter_single
 from nbdist.cluster.ranks.devices import backend_for
+from nbdist.collectives.ops import ELEMENT_BYTES, GLOO_REDUCE_SCATTER_NOTE, ROOT
 
 MAX_ITERS = 1_000_000
 CALIBRATE_SECONDS = 0.005  # a calibration loop shorter than this is too close to the clock to trust

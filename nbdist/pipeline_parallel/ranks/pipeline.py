@@ -13,14 +13,14 @@ import time
 import torch
 from torch import nn
 
+from nbdist.cluster.ranks import rank_mesh, registry
 from nbdist.data_parallel.ranks import data_parallel
 from nbdist.pipeline_parallel.ranks import pairs
-from nbdist.cluster.ranks import rank_mesh
-from nbdist.cluster.ranks import registry
-from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
 from nbdist.pipeline_parallel.ranks.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
+from nbdist.tensor_parallel.ranks import tensor_parallel
+from nbdist.wire import restore
 
 KIND = "pipeline"
 WAKE_SECONDS = 0.005  # a stepping call first keeps its core busy this long: see _wake
@@ -131,13 +131,6 @@ def close(name: str) -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
-
-
-def restore(payload):
-    """Undo the notebook's cloudpickling (pipeline_parallel/api.portable): bytes back to the user's function."""
-    import cloudpickle
-
-    return cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
 
 
 def _modules(spec: StageSpec) -> dict[int, nn.Module]:

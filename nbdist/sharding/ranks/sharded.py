@@ -15,13 +15,13 @@ import time
 import torch
 from torch import nn
 
-from nbdist.data_parallel.ranks import data_parallel
-from nbdist.cluster.ranks import rank_mesh
-from nbdist.cluster.ranks import registry
-from nbdist.tensor_parallel.ranks import tensor_parallel
-from nbdist.sharding.ranks import zero
+from nbdist.cluster.ranks import rank_mesh, registry
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
-from nbdist.pipeline_parallel.ranks.pipeline import restore, whole
+from nbdist.data_parallel.ranks import data_parallel
+from nbdist.pipeline_parallel.ranks.pipeline import whole
+from nbdist.sharding.ranks import zero
+from nbdist.tensor_parallel.ranks import tensor_parallel
+from nbdist.wire import restore
 
 KIND = "sharded"
 

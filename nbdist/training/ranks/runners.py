@@ -10,7 +10,7 @@ import time
 import torch
 
 from nbdist.cluster.ranks import registry
-from nbdist.pipeline_parallel.ranks.pipeline import restore
+from nbdist.wire import restore
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype
 

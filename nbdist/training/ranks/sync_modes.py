@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from nbdist.checks import known_options
+from nbdist.errors import DistUsageError
 from nbdist.training.ranks.sync_base import Synchronizer, add, flatten, report, write
 from nbdist.training.ranks.sync_ssp import StaleSynchronous
-from nbdist.errors import DistUsageError
 
 KINDS = ("allreduce", "local-sgd", "easgd", "ssp")
 OPTIONS = {  # every option each kind takes, with its default (None: decided from the number of replicas)

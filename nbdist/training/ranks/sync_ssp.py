@@ -38,8 +38,8 @@ import time
 import torch
 
 from nbdist.backend.ranks.mpi_work import abandoned
-from nbdist.training.ranks.sync_base import Synchronizer, add, flatten, report, write
 from nbdist.errors import DistUsageError
+from nbdist.training.ranks.sync_base import Synchronizer, add, flatten, report, write
 
 
 class StaleSynchronous(Synchronizer):

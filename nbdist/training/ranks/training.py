@@ -26,11 +26,9 @@ import torch
 
 from nbdist import data as datasets
 from nbdist.backend.ranks import mpi_work
-from nbdist.cluster.ranks import rank_mesh
-from nbdist.cluster.ranks import registry
-from nbdist.training.ranks import runners
-from nbdist.training.ranks import telemetry
-from nbdist.pipeline_parallel.ranks.pipeline import restore
+from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.training.ranks import runners, telemetry
+from nbdist.wire import restore
 
 KIND = "trainer"
 STOP_SIGNAL = signal.SIGUSR1  # "stop at the next step boundary" (SIGINT stays the interrupt that frees any wait)
