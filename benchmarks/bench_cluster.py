@@ -27,25 +27,34 @@ ipyparallel logs its own progress to stderr; the table goes to stdout.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from typing import Callable
 
-from common import Measure, Run, put_mpiexec_on_path
+import ipyparallel as ipp  # imported before any timing
+from common import Measure, Run
 
-put_mpiexec_on_path()
-
-import ipyparallel as ipp  # noqa: E402 - imported before any timing, after PATH is set
-
-import nbdist  # noqa: E402
+import nbdist
+from nbdist.cluster import launch
+from nbdist.cluster.options import find_mpiexec
 
 N_ENGINES = 2
 CELL = "a = 1"
 
 
+def put_mpiexec_on_path() -> None:
+    """Plain ipyparallel runs `mpiexec` from PATH; give it the one nbdist uses (the `mpich` wheel puts it beside
+    this Python, which need not be on PATH)."""
+    found = find_mpiexec()
+    if found:
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(found), os.environ.get("PATH", "")])
+
+
 class ClusterRun(Run):
-    """This run's clusters: nbdist's (timed here, so started directly) and plain ipyparallel ones."""
+    """This run's clusters: nbdist's (timed here, so started directly) and plain ipyparallel ones, whose processes
+    the library's `launch.processes` lists as it does an nbdist cluster's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,6 +63,7 @@ class ClusterRun(Run):
     def stop_all(self) -> None:
         for cluster in self.plain:
             try:
+                self.track(launch.processes(cluster))
                 cluster.stop_cluster_sync()
             except Exception as e:  # noqa: BLE001 - keep stopping the others
                 print(f"warning: stopping plain ipyparallel cluster {cluster.cluster_id} failed: {e}", file=sys.stderr)
@@ -69,7 +79,7 @@ def nbdist_cycle(run: ClusterRun) -> dict[str, float]:
     started = time.perf_counter()
     cluster = nbdist.start(N_ENGINES)
     start_s = time.perf_counter() - started
-    run.track(cluster)
+    run.track(cluster.processes())  # untimed, as what follows until the stop
     assert cluster.world_size == N_ENGINES
     boot = max(row.get("boot_seconds", float("nan")) for row in cluster.status().rows)  # untimed
     started = time.perf_counter()
@@ -82,10 +92,10 @@ def plain_cycle(run: ClusterRun) -> dict[str, float]:
     """Start plain ipyparallel MPI engines with its defaults, then stop them; seconds for each."""
     cluster = ipp.Cluster(engines="mpi", n=N_ENGINES)
     run.plain.append(cluster)
-    run.cluster_ids.add(cluster.cluster_id)
     started = time.perf_counter()
     client = cluster.start_and_connect_sync()
     start_s = time.perf_counter() - started
+    run.track(launch.processes(cluster))  # untimed
     assert len(client.ids) == N_ENGINES
     client.close()
     started = time.perf_counter()
@@ -161,7 +171,7 @@ def measure_round_trip(run: ClusterRun, calls: int, block: int, warmup: int) -> 
     """%%dist vs %%px of CELL on the same engines, both through run_cell_magic; milliseconds per call."""
     shell = _shell()
     cluster = nbdist.start(N_ENGINES)
-    run.track(cluster)
+    run.track(cluster.processes())
     try:
         view = cluster._view(list(range(cluster.world_size)))
         view.block = True  # as ipyparallel's own start_and_connect(activate=True) does
@@ -205,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    put_mpiexec_on_path()
     with ClusterRun() as run:
         run.log(f"start/stop: {args.warmup} warm-up + {args.repeats} timed cycles per side, interleaved")
         measures = measure_life_cycle(run, args.repeats, args.warmup, args.settle)

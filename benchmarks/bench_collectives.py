@@ -32,15 +32,14 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Run, format_table, parse_size, put_mpiexec_on_path
+import on_ranks
+from common import Measure, Run, format_table
+from workloads import parse_size
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
-from nbdist.collectives.sweep import BenchmarkResult  # noqa: E402
-from nbdist.collectives.sweep import benchmark as nbdist_benchmark  # noqa: E402
-from nbdist.units import format_bytes  # noqa: E402
+import nbdist
+from nbdist.collectives.sweep import BenchmarkResult
+from nbdist.collectives.sweep import benchmark as nbdist_benchmark
+from nbdist.units import format_bytes
 
 N_ENGINES = 2
 RATIO_TARGET = 0.95

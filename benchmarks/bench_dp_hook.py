@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Does nbdist's MPI all-reduce hook train faster than DDP's own gloo all-reduce on CPU engines (1.2x at least)?
 
-Two MPI engines from `nbdist.start(2)`; an MLP of L x (Linear(w, w) + ReLU) built on every rank from the same
-function (seed 0), trained with SGD (lr 1e-3), MSE loss, every rank on its half of one global batch. Four sides on
-the same ranks (benchmarks/on_ranks.py, DdpSides):
+Two MPI engines from `nbdist.start(2)`; the package's MLP, `nbdist.models.mlp(w, L)` (L x Linear(w, w), a ReLU
+between consecutive ones), built on every rank with seed 0, trained with SGD (lr 1e-3), MSE loss, every rank on its
+half of one global batch (until the benchmarks used nbdist.models they built their own L x (Linear(w, w) + ReLU):
+the same Linear layers, plus a ReLU after the last, torch's default init). Four sides on the same ranks
+(benchmarks/on_ranks.py, DdpSides):
   mpi    DistributedDataParallel with DDP's defaults (25 MB buckets) + `register_hook(model, "mpi")`: nbdist's hook,
          what "auto" picks on CPU;
   gloo   the same DDP with no hook: DDP's built-in all-reduce over gloo (the anchor);
@@ -26,14 +28,12 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, rotated
+import cloudpickle
+import on_ranks
+from common import Measure, Run, rotated
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-import cloudpickle  # noqa: E402
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
+import nbdist
 
 SIDES = on_ranks.DDP_SIDES  # see the module docstring
 TARGET = 1.2

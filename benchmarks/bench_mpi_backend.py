@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import Measure, Run, parse_size, put_mpiexec_on_path
+from common import Measure, Run
+from workloads import parse_size
 
-put_mpiexec_on_path()
-
-from nbdist.collectives.sweep import benchmark  # noqa: E402
-from nbdist.units import format_bytes  # noqa: E402
+from nbdist.collectives.sweep import benchmark
+from nbdist.units import format_bytes
 
 DEFAULT_SIZES = "1K,4M,64K,256K,1M,16M,64M"
 SPEEDUP_TARGETS = {1024: 20.0, 4 * 2**20: 3.0}  # size -> MPI backend busbw / gloo busbw at least

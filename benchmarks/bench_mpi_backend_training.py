@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Does training on the MPI backend keep up: DDP at least as fast as nbdist's MPI hook, tensor parallelism 3x gloo?
 
-The question (issue 10's training targets), 2 CPU engines, an MLP of L x (Linear(w, w) + ReLU), SGD, MSE:
+The question (issue 10's training targets), 2 CPU engines, the package's MLP `nbdist.models.mlp(w, L)` (L x
+Linear(w, w), a ReLU between consecutive ones; until the benchmarks used nbdist.models they built their own
+L x (Linear(w, w) + ReLU): the same Linear layers, plus a ReLU after the last, torch's default init), SGD, MSE:
 1. DDP: on a cluster started with `backend="mpi"`, DistributedDataParallel with no hook (its built-in all-reduce,
    which now goes through nbdist's MPI backend) against the same DDP with nbdist's MPI hook (what CPU engines used
    until now). benchmarks/on_ranks.py DdpSides: on this cluster its "gloo" side *is* the MPI backend. Target:
@@ -18,14 +20,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, rotated
+import cloudpickle
+import on_ranks
+from common import Measure, Run, rotated
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-import cloudpickle  # noqa: E402
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
+import nbdist
 
 LR = 1e-3
 DDP_TARGET, TP_TARGET = 1.0, 3.0

@@ -21,12 +21,11 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, quantile, rotated
+import on_ranks
+from common import Measure, Run, quantile, rotated
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
+import nbdist
 
 TRANSPORTS = ("mpi", "torch")
 MICROBATCHES = 8

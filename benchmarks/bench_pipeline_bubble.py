@@ -9,8 +9,10 @@ actions, MPI progress, waits that are no message's. `Pipeline.ideal()`, which th
 measured Gantt, is the same simulation with medians over the last 5 steps (a cold step is outvoted); its bubble is
 shown with each row's details, not counted.
 
-MPI engines from `nbdist.start(p)`; an MLP of L x (Linear(w, w) + ReLU) split by nbdist, m = 8 micro-batches, MSE
-loss, transport "mpi" (the CPU default), schedules "gpipe" and "1f1b". Two ways, interleaved in every repetition:
+MPI engines from `nbdist.start(p)`; the package's MLP `nbdist.models.mlp(w, L)` (L x Linear(w, w), a ReLU between
+consecutive ones; until the benchmarks used nbdist.models they built their own L x (Linear(w, w) + ReLU): the same
+Linear layers, plus a ReLU after the last, torch's default init) split by nbdist, m = 8 micro-batches, MSE loss,
+transport "mpi" (the CPU default), schedules "gpipe" and "1f1b". Two ways, interleaved in every repetition:
   engine steps   k steps back to back on the ranks (`nbdist.pipeline_parallel.ranks.pipeline.step`, as `Pipeline.step` runs it;
                  each starts with the pipeline's barrier), each recorded in the pipeline as `Pipeline.step`
                  records its own;
@@ -27,15 +29,13 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, rotated
+import on_ranks
+from common import Measure, Run, rotated
+from torch import nn
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-from torch import nn  # noqa: E402
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
-from nbdist.schedules.simulate import Timeline, measured_durations  # noqa: E402
+import nbdist
+from nbdist.schedules.simulate import Timeline, measured_durations
 
 SCHEDULES = ("gpipe", "1f1b")
 WAYS = ("engine steps", "pipe.step()")

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Is nbdist's pipeline at least as fast as torch.distributed.pipelining, same model, batch and engines?
 
-Two MPI engines from `nbdist.start(2)`; the model is an MLP of L x (Linear(w, w) + ReLU) built on every rank from the
-same function (seed 0), cut with nbdist's own split (`pipe.ranges`) for both sides; m = 8 micro-batches, MSE loss,
-no optimizer, gradients cleared before every step on both sides. Per schedule ("gpipe", "1f1b"):
+Two MPI engines from `nbdist.start(2)`; the model is the package's MLP, `nbdist.models.mlp(w, L)` (L x Linear(w, w),
+a ReLU between consecutive ones), built on every rank with seed 0, cut with nbdist's own split (`pipe.ranges`) for
+both sides; m = 8 micro-batches, MSE loss, no optimizer, gradients cleared before every step on both sides.
+Until the benchmarks used nbdist.models they built their own L x (Linear(w, w) + ReLU): the same Linear layers, plus
+a ReLU after the last, torch's default init. Per schedule ("gpipe", "1f1b"):
 
   nbdist  `nbdist.pipeline(..., stages=2, transport=T)`: T = "mpi" (what "auto" picks on CPU; counted) and "torch"
           (gloo; shown for comparison)
@@ -30,16 +32,14 @@ import statistics
 import sys
 import time
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, rotated
+import on_ranks
+from common import Measure, Run, rotated
+from torch import nn
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-from torch import nn  # noqa: E402
-
-import nbdist  # noqa: E402
-import on_ranks  # noqa: E402
-from nbdist.pipeline_parallel.api import portable  # noqa: E402
-from nbdist.pipeline_parallel.stages import unsplit_key  # noqa: E402
+import nbdist
+from nbdist.pipeline_parallel.stages import unsplit_key
+from nbdist.wire import portable
 
 SCHEDULES = ("gpipe", "1f1b")
 TRANSPORTS = ("mpi", "torch")  # nbdist's; "mpi" is what transport="auto" picks for CPU tensors

@@ -23,25 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from common import Measure, Run, put_mpiexec_on_path
+from common import Measure, Run
+from workloads import Gpt, adam
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-from nbdist import data, models  # noqa: E402
+import nbdist
+from nbdist import data, models
 
 TARGET = 1.5
 HERE = Path(__file__).resolve().parent
 
 
-def adam(params):
-    import torch
-
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def nbdist_rates(sharded, layers_hidden_seq, batch: int, steps: int, start_step: int) -> float:
-    seq = layers_hidden_seq[2]
+def nbdist_rates(sharded, seq: int, batch: int, steps: int, start_step: int) -> float:
     corpus = data.byte_corpus()
     started = time.perf_counter()
     for s in range(start_step, start_step + steps):
@@ -70,26 +62,20 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    layers, hidden, seq = (int(v) for v in args.model.split(","))
-
-    def model_fn():
-        from nbdist import models
-
-        return models.gpt(seq=seq, layers=layers, hidden=hidden, heads=4, seed=0)
-
+    gpt = Gpt.parse(args.model)
     ours, theirs = [], []
     with Run() as run:
         run.log("2 engines (the CPU default backend)")
         cluster = run.start(2)
-        sharded = nbdist.shard(model_fn, dp=2, cluster=cluster).apply(adam)
-        nbdist_rates(sharded, (layers, hidden, seq), args.batch, 3, 0)  # warm-up
+        sharded = nbdist.shard(gpt.builder(), dp=2, cluster=cluster).apply(adam)
+        nbdist_rates(sharded, gpt.seq, args.batch, 3, 0)  # warm-up
         for rep in range(args.repeats):
             first_ours = rep % 2 == 0
             if first_ours:
-                ours.append(nbdist_rates(sharded, (layers, hidden, seq), args.batch, args.steps, 1000 * (rep + 1)))
+                ours.append(nbdist_rates(sharded, gpt.seq, args.batch, args.steps, 1000 * (rep + 1)))
             theirs += torchrun_rates(args.model, args.batch, args.steps)
             if not first_ours:
-                ours.append(nbdist_rates(sharded, (layers, hidden, seq), args.batch, args.steps, 1000 * (rep + 1)))
+                ours.append(nbdist_rates(sharded, gpt.seq, args.batch, args.steps, 1000 * (rep + 1)))
             run.log(f"  repetition {rep + 1}/{args.repeats}: nbdist {ours[-1]:.0f}, torchrun {theirs[-1]:.0f} samples/s")
         sharded.close()
     measures = [Measure(f"DDP gpt {args.model} batch {args.batch}: nbdist.shard(dp=2) vs torchrun (gloo)",

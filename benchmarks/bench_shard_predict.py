@@ -17,12 +17,11 @@ import argparse
 import statistics
 import sys
 
-from common import Measure, Run, put_mpiexec_on_path
+from common import Measure, Run
+from workloads import Gpt, adam
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-from nbdist import data, models  # noqa: E402
+import nbdist
+from nbdist import data, models
 
 MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.25
 PLANS = {
@@ -30,12 +29,6 @@ PLANS = {
         dict(tp=2), dict(pp=2, microbatches=4, schedule="1f1b"), dict(pp=2, microbatches=4, schedule="gpipe")],
     4: [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2), dict(pp=2, tp=2, microbatches=2), dict(dp=4, zero=3)],
 }
-
-
-def adam(params):
-    import torch
-
-    return torch.optim.Adam(params, lr=1e-3)
 
 
 def label(plan: dict) -> str:
@@ -48,10 +41,9 @@ def measure(cluster, model_fn, plan_settings: dict, args, log) -> list[Measure]:
     predicted_memory = plan.predicted_memory()
     built = plan.apply(adam)
     corpus = data.byte_corpus()
-    seq = args.model_shape[2]
     times, measured = [], None
     for step in range(args.steps + 1):
-        x, y = data.token_batch(corpus, step, args.batch, seq)
+        x, y = data.token_batch(corpus, step, args.batch, args.gpt.seq)
         built.step(x, y, models.lm_loss, memory=step == 0)
         # a Sharded model reports its step's span; a pipeline its measured timeline (the same span)
         times.append(built.step_seconds() if hasattr(built, "step_seconds") else built.timeline.makespan)
@@ -86,21 +78,14 @@ def main() -> int:
     p.add_argument("--engines", type=int, default=2, choices=sorted(PLANS))
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    args.model_shape = tuple(int(v) for v in args.model.split(","))
-    layers, hidden, seq = args.model_shape
-
-    def model_fn():
-        from nbdist import models
-
-        return models.gpt(seq=seq, layers=layers, hidden=hidden, heads=4, seed=0)
-
+    args.gpt = Gpt.parse(args.model)
     measures = []
     with Run() as run:
         run.log(f"{args.engines} engines")
         cluster = run.start(args.engines)
         for settings in PLANS[args.engines]:
-            measures += measure(cluster, model_fn, settings, args, run.log)
-    settings = {k: v for k, v in vars(args).items() if k != "model_shape"}
+            measures += measure(cluster, args.gpt.builder(), settings, args, run.log)
+    settings = {k: v for k, v in vars(args).items() if k != "gpt"}
     return run.finish(measures, json_path=args.json, settings=settings)
 
 

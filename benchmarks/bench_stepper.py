@@ -7,8 +7,10 @@ the compute is nbdist's cost: wall time of the call minus the tick's compute on 
 compute spans of the actions that call ran, `Timeline.busy_time` of the spans the ranks report with that call's
 index). Median over every tick of a few whole steps, after one untimed step.
 
-Two MPI engines from `nbdist.start(2)`; an MLP of L x (Linear(w, w) + ReLU) split by nbdist, m = 8 micro-batches,
-MSE loss; schedules "gpipe" and "1f1b"; transport "mpi" (the CPU default: counted) and "torch" (gloo: shown). A tick
+Two MPI engines from `nbdist.start(2)`; the package's MLP `nbdist.models.mlp(w, L)` (L x Linear(w, w), a ReLU
+between consecutive ones; until the benchmarks used nbdist.models they built their own L x (Linear(w, w) + ReLU): the
+same Linear layers, plus a ReLU after the last, torch's default init) split by nbdist, m = 8 micro-batches, MSE loss;
+schedules "gpipe" and "1f1b"; transport "mpi" (the CPU default: counted) and "torch" (gloo: shown). A tick
 that does not return within --timeout seconds is interrupted (nbdist interrupts the ranks) and reported as
 HANG/FAIL; the MPI transport runs last, because an interrupted tick can leave a message half-sent on the engines.
 
@@ -23,14 +25,12 @@ import sys
 import threading
 import time
 
-from common import Measure, Mlp, Run, put_mpiexec_on_path, quantile
+from common import Measure, Run, quantile
+from torch import nn
+from workloads import Mlp
 
-put_mpiexec_on_path()
-
-from torch import nn  # noqa: E402
-
-import nbdist  # noqa: E402
-from nbdist.schedules.simulate import Timeline  # noqa: E402
+import nbdist
+from nbdist.schedules.simulate import Timeline
 
 SCHEDULES = ("gpipe", "1f1b")
 TRANSPORTS = ("torch", "mpi")  # the default ("mpi", what "auto" picks on CPU) last

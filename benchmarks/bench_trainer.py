@@ -22,15 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from common import Measure, Run, adam, gpt_and_text, put_mpiexec_on_path
+from common import Measure, Run
+from workloads import Gpt, adam
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-from nbdist import models  # noqa: E402
+import nbdist
+from nbdist import models
 
 HERE = Path(__file__).resolve().parent
-
 
 
 def torchrun_rates(model: str, batch: int, steps: int) -> list[float]:
@@ -52,7 +50,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    model_fn, data_fn = gpt_and_text(args.model)
+    gpt = Gpt.parse(args.model)
+    model_fn, data_fn = gpt.builder(), gpt.text()
 
     ours, theirs = [], []
     with Run() as run:

@@ -17,13 +17,11 @@ import argparse
 import sys
 import time
 
-from common import Measure, Run, adam, gpt_and_text, put_mpiexec_on_path
+from common import Measure, Run
+from workloads import Gpt, adam
 
-put_mpiexec_on_path()
-
-import nbdist  # noqa: E402
-from nbdist import models  # noqa: E402
-
+import nbdist
+from nbdist import models
 
 
 def main() -> int:
@@ -34,7 +32,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    model_fn, data_fn = gpt_and_text(args.model)
+    gpt = Gpt.parse(args.model)
+    model_fn, data_fn = gpt.builder(), gpt.text()
 
     on, off = [], []
     with Run() as run:

@@ -1,13 +1,14 @@
-"""What every benchmark script here shares: the model, the rows of results and their report, the run's processes.
+"""What every benchmark script here shares: timing helpers, the rows of results and their report, and the run.
 
 Every script asks one question and answers it with rows (`Measure`): nbdist's samples, the anchor's samples taken in
-the same run (sides interleaved), the target, and whether the row decides the exit status. `Run` owns the clusters
-a script starts: it stops them all at the end, checks that nothing of theirs is left, notes other runs' engines that
-shared the machine (they skew the figures), prints the report, writes the JSON and says what the exit status is:
-0 when every counted target is met, the sanity checks held and no process was left.
+the same run (sides interleaved, `rotated`), the target, and whether the row decides the exit status. `Run` owns the
+clusters a script starts: it stops them all at the end, checks that none of their processes is left (the library
+finds a cluster's processes: `Cluster.processes()`), notes other runs' processes that shared the machine (they
+skew the figures), prints the report, writes the JSON and says what the exit status is: 0 when every counted
+target is met, the sanity checks held and no process was left.
 
-What runs on the engines lives in benchmarks/on_ranks.py; `Run.start` puts this folder on the engines' sys.path so
-they can import it (ipyparallel sends a function by reference to its module).
+What the benchmarks train (nbdist's own models) is in benchmarks/workloads.py; what runs on the engines, in
+benchmarks/on_ranks.py (nbdist puts the script's folder on the engines' import path, so they import it).
 """
 from __future__ import annotations
 
@@ -20,31 +21,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import cloudpickle
 import psutil
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-PROCESS_PATTERNS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.engine")
 KINDS = ("ratio>=", "ratio<=", "diff<=", "abs<=", "abs>=")
 LISTED = 12  # up to this many samples a spread lists them all; more are summarised
-
-# A model builder made here is sent to the engines (nbdist cloudpickles it); they cannot import this module, so
-# cloudpickle must send its functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def put_mpiexec_on_path() -> None:
-    """The `mpich` wheel puts mpiexec beside the venv's python; plain ipyparallel looks for it on PATH."""
-    here = os.path.dirname(sys.executable)
-    if os.access(os.path.join(here, "mpiexec"), os.X_OK):
-        os.environ["PATH"] = os.pathsep.join([here, os.environ.get("PATH", "")])
-
-
-def parse_size(text: str) -> int:
-    """"4K" -> 4096, "64M" -> 67108864, "512" -> 512 (binary prefixes, as the sizes S of nccl-tests)."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+# What another run's processes carry in their command line: MPI's launcher and proxies, ipyparallel, nbdist's engines
+OTHER_RUN_MARKS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.cluster")
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -58,55 +40,6 @@ def rotated(items: list, i: int) -> list:
     """`items` starting at position i: who goes first rotates from one repetition to the next."""
     i %= len(items)
     return items[i:] + items[:i]
-
-
-# -- the model ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mlp:
-    """L x (Linear(w, w) + ReLU) and a batch: `WIDTHxLAYERS/BATCH` on the command line."""
-
-    width: int
-    layers: int
-    batch: int
-
-    @classmethod
-    def parse(cls, text: str) -> Mlp:
-        shape, _, batch = text.partition("/")
-        width, _, layers = shape.partition("x")
-        return cls(int(width), int(layers), int(batch))
-
-    @classmethod
-    def parse_list(cls, text: str) -> list[Mlp]:
-        return [cls.parse(s) for s in text.split(",") if s.strip()]
-
-    def __str__(self) -> str:
-        return f"{self.width}x{self.layers}/{self.batch}"
-
-    @property
-    def parameters(self) -> int:
-        return self.layers * (self.width * self.width + self.width)
-
-    def builder(self):
-        """A function building the model with seed 0: every rank (and torch's side) builds the same one."""
-        width, layers = self.width, self.layers
-
-        def build_model():
-            import torch
-            from torch import nn
-
-            torch.manual_seed(0)
-            return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
-
-        return build_model
-
-    def batch_tensors(self):
-        """Random inputs and targets of one batch (seed 1)."""
-        import torch
-
-        g = torch.Generator().manual_seed(1)
-        return torch.randn(self.batch, self.width, generator=g), torch.randn(self.batch, self.width, generator=g)
 
 
 # -- results ------------------------------------------------------------------------------------------------------
@@ -253,17 +186,17 @@ def environment(**extra) -> dict:
             "load_average": os.getloadavg(), "machine": platform.platform(), **extra}
 
 
-# -- processes ----------------------------------------------------------------------------------------------------
+# -- the run -------------------------------------------------------------------------------------------------------
 
 
 class Run:
-    """One benchmark run: the clusters it starts (stopped together when the `with` block ends, then checked for
-    leftovers: processes found by ancestry, cluster id or lifeline pid), other runs' processes seen meanwhile,
-    its log and its report."""
+    """One benchmark run: the clusters it starts (stopped together when the `with` block ends), the processes they
+    had as the library lists them (`Cluster.processes()`), checked for leftovers at the end; other runs' processes
+    seen meanwhile; its log and its report."""
 
     def __init__(self) -> None:
         self.clusters: list = []
-        self.cluster_ids: set[str] = set()
+        self.processes: dict[int, psutil.Process] = {}  # pid -> a process of a cluster this run started
         self.foreign: dict[str, str] = {}  # other runs' processes seen -> when first seen
         self.left: list[str] = []
 
@@ -276,72 +209,51 @@ class Run:
         if self.left:
             print("warning: processes left running:\n  " + "\n  ".join(self.left), file=sys.stderr)
 
-    def track(self, cluster) -> None:
-        """Remember an nbdist cluster's ipyparallel cluster id (private attributes: best effort)."""
-        cluster_id = getattr(getattr(getattr(cluster, "_launched", None), "cluster", None), "cluster_id", None)
-        if cluster_id:
-            self.cluster_ids.add(cluster_id)
-
-    def ours(self, proc: psutil.Process) -> bool:
-        try:
-            env, cmdline = proc.environ(), proc.cmdline()
-            parents = {p.pid for p in proc.parents()}
-        except psutil.Error:
-            return False
-        return (os.getpid() in parents or env.get("IPP_CLUSTER_ID") in self.cluster_ids
-                or env.get("NBDIST_KERNEL_PID") == str(os.getpid())
-                or any(cid in arg for arg in cmdline for cid in self.cluster_ids))
-
-    def matching(self, ours: bool) -> list[str]:
-        """'pid command' of every live cluster process that is (or is not) ours."""
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                cmdline = " ".join(proc.cmdline())
-            except psutil.Error:
-                continue
-            if any(p in cmdline for p in PROCESS_PATTERNS) and self.ours(proc) == ours:
-                found.append(f"{proc.pid} {cmdline[:120]}")
-        return found
+    def track(self, processes: list[psutil.Process]) -> None:
+        """Remember the processes of a cluster this run started, as the library finds them: `cluster.processes()`
+        (for a plain ipyparallel cluster, `nbdist.cluster.launch.processes(cluster)`). The end checks none is left."""
+        self.processes.update((p.pid, p) for p in processes)
 
     def leftovers(self, grace: float = 3.0) -> list[str]:
-        """Our processes still alive (zombies excluded) after up to `grace` seconds."""
+        """'pid command' of the tracked processes still alive (zombies excluded) after up to `grace` seconds."""
         deadline = time.monotonic() + grace
         while True:
-            left = self.matching(ours=True)
+            left = [p for p in self.processes.values() if _alive(p)]
             if not left or time.monotonic() > deadline:
-                return left
+                return [_describe(p) for p in left]
             time.sleep(0.2)
 
     def log(self, text: str) -> None:
-        """Print a progress line, and note other runs' engines and controllers alive now."""
+        """Print a progress line, and note other runs' processes alive now."""
         print(text, flush=True)
-        for line in self.matching(ours=False):
+        for line in other_runs(set(self.processes)):
             self.foreign.setdefault(line, text.strip()[:60])
 
     def start(self, n: int, **options):
         """An nbdist cluster of n engines (any running one is replaced; `options` as nbdist.start takes them, e.g.
-        backend="mpi") that can import benchmarks/on_ranks.py."""
+        backend="mpi"), stopped when the run ends."""
         import nbdist
 
         cluster = nbdist.start(n, restart=True, **options)
         self.clusters.append(cluster)
-        self.track(cluster)
-        cluster.execute(f"import sys; sys.path.insert(0, {BENCH_DIR!r})", output="none")
+        self.track(cluster.processes())
         return cluster
 
     def stop_all(self) -> None:
-        """Stop everything this run started (a subclass adds what it starts besides nbdist clusters)."""
+        """Stop every nbdist cluster this run started, and the current one (a subclass adds what it starts besides
+        nbdist clusters), noting their processes first."""
         import nbdist
 
-        for cluster in self.clusters:
+        try:
+            clusters = self.clusters + [nbdist.current()]
+        except nbdist.DistUsageError:  # none running
+            clusters = list(self.clusters)
+        for cluster in clusters:
             try:
+                self.track(cluster.processes())
                 cluster.stop()
             except Exception as e:  # noqa: BLE001 - keep stopping the others
                 print(f"warning: stopping a cluster failed: {e}", file=sys.stderr)
-        nbdist.stop()
 
     def finish(self, measures: list[Measure], details: str = "", sane: bool = True, json_path: str | None = None,
                settings: dict | None = None, extra: dict | None = None) -> int:
@@ -370,27 +282,33 @@ class Run:
         return 0 if counted and all(m.passed for m in counted) and sane and not self.left else 1
 
 
+def other_runs(ours: set[int]) -> list[str]:
+    """'pid command' of the MPI, ipyparallel and nbdist processes on this machine that are not this run's (not
+    among its clusters' processes, not descended from this process): another run sharing the cores, which the
+    report warns about. Only for that warning: this run's own processes are the library's to find."""
+    me, found = os.getpid(), []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == me or proc.pid in ours or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.cmdline())
+            if not any(mark in cmdline for mark in OTHER_RUN_MARKS) or me in {p.pid for p in proc.parents()}:
+                continue
+        except psutil.Error:
+            continue
+        found.append(f"{proc.pid} {cmdline[:120]}")
+    return found
 
-def adam(params):
-    """The optimizer every training benchmark uses (cloudpickled to the ranks)."""
-    import torch
 
-    return torch.optim.Adam(params, lr=1e-3)
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def gpt_and_text(spec: str):
-    """(model_fn, data_fn) for "layers,hidden,seq": the package's transformer (4 heads) and the byte corpus cut
-    into windows of seq tokens, as functions the ranks call."""
-    layers, hidden, seq = (int(v) for v in spec.split(","))
-
-    def model_fn():
-        from nbdist import models
-
-        return models.gpt(seq=seq, layers=layers, hidden=hidden, heads=4, seed=0)
-
-    def data_fn():
-        from nbdist import data
-
-        return data.text_dataset(seq=seq)
-
-    return model_fn, data_fn
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return str(proc.pid)

@@ -1,4 +1,5 @@
-"""What the benchmarks run on the engines (imported there: common.Run.start puts benchmarks/ on their path).
+"""What the benchmarks run on the engines (imported there: nbdist gives the engines the kernel's import path, which
+holds the running script's folder, benchmarks/).
 
 Every function here runs on one rank. What a benchmark keeps between calls (torch's pipeline stages, the DDP
 models) lives in nbdist's engine registry under the kind "benchmark", like any nbdist feature's rank state:

@@ -306,3 +306,12 @@ def test_regression_batches_are_fresh_per_step_from_the_same_teacher():
     torch.testing.assert_close(y1, teacher(x1))
     X, Y = data.regression(samples=512, inputs=6, outputs=2, seed=4, noise=0.0)
     torch.testing.assert_close(Y, teacher(X))
+
+
+def test_a_model_built_under_the_meta_device_stays_there():
+    """What a pipeline and a plan do to learn a model's shape without its memory (pipeline_parallel/api.py's
+    _meta_model): nbdist's own models must not pull themselves back onto the CPU there."""
+    with torch.device("meta"):
+        built = [mlp(width=8, layers=2, seed=0), gpt(vocab=16, seq=4, layers=1, hidden=8, heads=2)]
+    assert {p.device.type for model in built for p in model.parameters()} == {"meta"}
+    assert mlp(width=8, layers=2, seed=0)[0].weight.device.type == "cpu"  # and elsewhere on the CPU

@@ -21,9 +21,11 @@ def seeded(seed: int) -> Iterator[None]:
     """Build under torch's CPU generator seeded with `seed`; the caller's random state is left as it was.
 
     Modules are made on the CPU whatever the default device: a CUDA default would draw from the CUDA generator,
-    which this does not seed, and the copies on different ranks would differ."""
+    which this does not seed, and the copies on different ranks would differ. Only torch's meta device is kept:
+    there nothing is drawn, and a pipeline or plan builds its shape-only copy that way."""
     whole_number(seed, "seed", minimum=0)
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+    meta = torch.get_default_device().type == "meta"
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if meta else "cpu"):
         torch.manual_seed(seed)
         yield
 
