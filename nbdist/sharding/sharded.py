@@ -30,7 +30,7 @@ class Sharded(GatheredModel):
         self.mesh = self.cluster.mesh(dp=plan.dp, tp=plan.tp)
         self.id = f"shard{next(_numbers)}"
         ddp = {"hook": plan.hook} | ({"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {})
-        spec = ShardSpec(self.id, self.mesh.name, plan.dp, plan.tp, plan.zero, plan.microbatches,
+        spec = ShardSpec(self.id, self.mesh.name, plan.layout,
                          portable(plan.model_fn), portable(optimizer_fn),
                          tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
         self.cluster.run(on_ranks.setup, spec)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nbdist.layout import Layout
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -14,10 +16,8 @@ class ShardSpec:
 
     name: str  # the sharded model's name on the ranks (registry key)
     mesh: str  # the mesh's name on the ranks (dims dp and tp)
-    dp: int
-    tp: int
-    zero: int  # 0: DDP (or, with tp > 1, gradients averaged over dp); 1: ZeroRedundancyOptimizer; 2, 3: FSDP2
-    microbatches: int  # gradient accumulation: micro-batches per replica and step
+    layout: Layout  # dp x tp (pp = 1); zero 0: DDP (or, with tp > 1, gradients averaged over dp), 1:
+    # ZeroRedundancyOptimizer, 2 and 3: FSDP2; microbatches: gradient accumulation per replica and step
     model: bytes  # the cloudpickled function that builds the whole model
     optimizer: bytes | None  # cloudpickled `params -> torch.optim.Optimizer`, or None (gradients only)
     tp_plan: dict[str, str] = field(default_factory=dict)  # qualified Linear name -> "colwise" | "rowwise"

@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable
 
 from nbdist.checks import one_of, whole_number
@@ -30,18 +30,27 @@ from nbdist.layout import Layout
 from nbdist.training import checkpoints
 from nbdist.training.history import History
 from nbdist.training.ranks import training as on_ranks
-from nbdist.training.spec import PRECISIONS, SYNC_KINDS, TrainSpec
+from nbdist.training.spec import (PRECISIONS, SYNC_KINDS, Checkpointing, Data, Optimization, Telemetry, TrainSpec,
+                                  WholeReplicas)
 from nbdist.wire import portable
 
 _numbers = itertools.count()
 
 
 class Trainer:
-    """A training run on the cluster (see the module docstring). `plan`: None (data parallel over every engine), a
-    dict of nbdist.shard's choices (dp, tp, zero, ...), or a Plan. `sync`: "allreduce" (the plan's own
-    synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a whole model; `sync_options` e.g.
-    {"period": 4}). `straggler={rank: seconds}` slows a rank by that much per step (for teaching). `live`: the
-    dashboard in a notebook (True), none (False), or drawn even outside a notebook ("always": for measuring it)."""
+    """A training run on the cluster (see the module docstring). Its options, by concern (each as keywords, or as
+    one object: nbdist.training.spec):
+    - layout, `plan`: None (data parallel over every engine), a Layout or a dict of nbdist.shard's choices (dp,
+      tp, zero, ...), or a Plan;
+    - `data=Data(batch_size, seed, eval_data_fn, eval_every, eval_batches)`;
+    - `optimization=Optimization(precision, grad_accum, clip, lr_schedule, sync, sync_options)`: `sync`
+      "allreduce" (the plan's own synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a whole
+      model; `sync_options` e.g. {"period": 4});
+    - `checkpointing=Checkpointing(dir, every, asynchronous)` (keywords checkpoint_dir, checkpoint_every,
+      async_checkpoint);
+    - `telemetry=Telemetry(live, tensorboard, trace, straggler)`: `live` the dashboard in a notebook (True), none
+      (False), or drawn even outside a notebook ("always": for measuring it); `straggler={rank: seconds}` slows a
+      rank by that much per step (for teaching)."""
 
     def __init__(self, model_fn: Callable, data_fn: Callable, loss_fn: Callable, optimizer_fn: Callable,
                  plan=None, batch_size: int = 64, seed: int = 0, checkpoint_dir: str | None = None,
@@ -50,53 +59,46 @@ class Trainer:
                  lr_schedule: Callable[[int], float] | None = None, eval_data_fn: Callable | None = None,
                  eval_every: int | None = None, eval_batches: int = 4, straggler: dict | None = None,
                  async_checkpoint: bool = False, live: bool = True, tensorboard: str | None = None,
-                 trace: str | None = None, cluster: Cluster | None = None):
+                 trace: str | None = None, cluster: Cluster | None = None, data: Data | None = None,
+                 optimization: Optimization | None = None, checkpointing: Checkpointing | None = None,
+                 telemetry: Telemetry | None = None):
         self.cluster = cluster or current()
+        self.data = _one_place("data", data, Data(batch_size, seed, eval_data_fn, eval_every, eval_batches))
+        self.optimization = _one_place("optimization", optimization, Optimization(
+            precision, grad_accum, clip, lr_schedule, sync, dict(sync_options or {})))
+        self.checkpointing = _one_place("checkpointing", checkpointing,
+                                        Checkpointing(checkpoint_dir, checkpoint_every, bool(async_checkpoint)))
+        self.telemetry = _one_place("telemetry", telemetry, Telemetry(live, tensorboard, trace, dict(straggler or {})))
         _check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
-        one_of(precision, PRECISIONS, "precision")
-        one_of(sync, SYNC_KINDS, "sync")
-        whole_number(batch_size, "batch_size")
-        whole_number(grad_accum, "grad_accum")
-        whole_number(seed, "seed", 0)
-        for label, every in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
-            if every is not None:
-                whole_number(every, label)
-        if checkpoint_every and not checkpoint_dir:
-            raise DistUsageError("checkpoint_every needs a checkpoint_dir to write into")
-        if eval_every and eval_data_fn is None:
-            raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
-        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-            raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {clip!r}")
-        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir else None
-        self.live, self.tensorboard, self.trace = live, tensorboard, trace
+        d, o, c = self.data, self.optimization, self.checkpointing
+        _check(d, o, c)
+        self.checkpoint_dir = os.path.abspath(c.dir) if c.dir else None
+        self.live, self.tensorboard, self.trace = self.telemetry.live, self.telemetry.tensorboard, self.telemetry.trace
         self.id = f"train{next(_numbers)}"
-        self.plan = self._plan(model_fn, plan, grad_accum, sync)
+        self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
-        parts = self.plan.microbatches if self.plan is not None else grad_accum
-        if batch_size % (self.replicas * parts):
-            raise DistUsageError(f"batch_size {batch_size} must divide evenly over {self.replicas} replica(s) × "
+        parts = self.plan.microbatches if self.plan is not None else o.grad_accum
+        if d.batch_size % (self.replicas * parts):
+            raise DistUsageError(f"batch_size {d.batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
-        kind = "replica" if self.plan is None else ("pipeline" if self.plan.pp > 1 else "sharded")
-        if kind == "pipeline" and precision == "fp16":
+        pipelined = self.plan is not None and self.plan.pp > 1
+        if pipelined and o.precision == "fp16":
             raise DistUsageError("precision='fp16' with pp > 1 is not supported: loss scaling would need every stage "
                                  "to agree on the steps it skips (use bf16, or a pp = 1 plan)")
-        self.cluster.run(on_ranks.seed_everything, seed)
+        self.cluster.run(on_ranks.seed_everything, d.seed)
         self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
         try:
             self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
-            pipeline = ({"shapes": self._pipeline_shapes(data_fn, batch_size, eval_data_fn if eval_every else None)}
-                        if kind == "pipeline" else {})
+            evaluated = d.eval_data_fn if d.eval_every else None
+            pipeline = {"shapes": self._pipeline_shapes(data_fn, d.batch_size, evaluated)} if pipelined else {}
+            whole = WholeReplicas(portable(model_fn), portable(optimizer_fn)) if self.plan is None else None
             self.spec = TrainSpec(
-                name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None, kind=kind,
-                data=portable(data_fn), loss=portable(loss_fn), batch_size=batch_size, seed=seed,
-                replicas=self.replicas, precision=precision, clip=clip, lr_schedule=portable(lr_schedule),
-                eval_data=portable(eval_data_fn), eval_every=eval_every,
-                eval_batches=whole_number(eval_batches, "eval_batches"), straggler=dict(straggler or {}),
-                sync=sync, sync_options=dict(sync_options or {}),
-                optimizer=portable(optimizer_fn) if kind == "replica" else None,
-                model_fn=portable(model_fn) if kind == "replica" else None, microbatches=grad_accum,
-                checkpoint_dir=self.checkpoint_dir, checkpoint_every=checkpoint_every,
-                async_checkpoint=bool(async_checkpoint), pipeline=pipeline)
+                name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None,
+                replicas=self.replicas, data_fn=portable(data_fn), loss=portable(loss_fn),
+                data=replace(d, eval_data_fn=portable(d.eval_data_fn)),
+                optimization=replace(o, lr_schedule=portable(o.lr_schedule)),
+                checkpointing=replace(c, dir=self.checkpoint_dir), straggler=self.telemetry.straggler,
+                whole_replicas=whole, pipeline=pipeline)
             if self.checkpoint_dir:
                 os.makedirs(self.checkpoint_dir, exist_ok=True)
             infos = self.cluster.run(on_ranks.setup, self.spec)
@@ -204,7 +206,7 @@ class Trainer:
             return whole_number(steps, "steps")
         if not isinstance(epochs, (int, float)) or epochs <= 0:
             raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
-        return max(1, math.ceil(epochs * self.dataset_length / self.spec.batch_size))
+        return max(1, math.ceil(epochs * self.dataset_length / self.data.batch_size))
 
     def _export(self) -> None:
         if self.tensorboard:
@@ -258,8 +260,39 @@ class Trainer:
                 pass
 
     def __repr__(self) -> str:
-        what = self.plan.describe() if self.plan is not None else f"{self.spec.sync} over {self.replicas} replicas"
+        what = self.plan.describe() if self.plan is not None else f"{self.optimization.sync} over {self.replicas} replicas"
         return f"<nbdist Trainer {self.id}: {what}; step {self.step}>"
+
+
+def _one_place(concern: str, given, from_keywords):
+    """The options of one concern: its object, or the keywords' (refused when both are given)."""
+    if given is None:
+        return from_keywords
+    if not isinstance(given, type(from_keywords)):
+        raise DistUsageError(f"{concern} must be a {type(from_keywords).__name__}, got {type(given).__name__}")
+    if from_keywords != type(from_keywords)():
+        raise DistUsageError(f"give the {concern} options in one place: {concern}={type(given).__name__}(...) or "
+                             "keywords, not both")
+    return given
+
+
+def _check(d: Data, o: Optimization, c: Checkpointing) -> None:
+    """One line for the first option that cannot work, before anything is built."""
+    one_of(o.precision, PRECISIONS, "precision")
+    one_of(o.sync, SYNC_KINDS, "sync")
+    whole_number(d.batch_size, "batch_size")
+    whole_number(o.grad_accum, "grad_accum")
+    whole_number(d.seed, "seed", 0)
+    whole_number(d.eval_batches, "eval_batches")
+    for label, every in (("checkpoint_every", c.every), ("eval_every", d.eval_every)):
+        if every is not None:
+            whole_number(every, label)
+    if c.every and not c.dir:
+        raise DistUsageError("checkpoint_every needs a checkpoint_dir to write into")
+    if d.eval_every and d.eval_data_fn is None:
+        raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
+    if o.clip is not None and not (isinstance(o.clip, (int, float)) and o.clip > 0):
+        raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {o.clip!r}")
 
 
 def _check_functions(**functions) -> None:

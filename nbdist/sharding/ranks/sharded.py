@@ -33,15 +33,16 @@ class ShardedModel:
         self.spec = spec
         self.me = rank_mesh.here(spec.mesh)
         model = restore(spec.model)()
-        if spec.tp > 1:
+        layout = spec.layout
+        if layout.tp > 1:
             tensor_parallel.apply(model, self.me.device_mesh["tp"], spec.tp_plan)
-        if spec.zero >= 2:
-            zero.shard(model, self.me.device_mesh["dp"], spec.zero)
-        self.model = data_parallel.wrap(model, self.me, spec.dp, spec.tp, spec.zero, spec.ddp)
+        if layout.zero >= 2:
+            zero.shard(model, self.me.device_mesh["dp"], layout.zero)
+        self.model = data_parallel.wrap(model, self.me, layout.dp, layout.tp, layout.zero, spec.ddp)
         make = restore(spec.optimizer)
         self.optimizer = None if make is None else zero.optimizer(
-            self.model.parameters(), make, spec.zero, self.me.group("dp"))
-        self.by_hand = data_parallel.averages_by_hand(spec.dp, spec.tp, spec.zero)
+            self.model.parameters(), make, layout.zero, self.me.group("dp"))
+        self.by_hand = data_parallel.averages_by_hand(layout.dp, layout.tp, layout.zero)
         self.last_gradient_at = 0.0  # when backward last accumulated a parameter's gradient (see exposed_comm_s)
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._gradient_done)
@@ -56,7 +57,7 @@ class ShardedModel:
 
         The Trainer's seams: `autocast` (a context) around each forward, `scale(loss)` before backward (fp16 loss
         scaling), `apply(optimizer)` instead of `optimizer.step()` (clipping, the scaler's step)."""
-        m = self.spec.microbatches
+        m = self.spec.layout.microbatches
         self.model.zero_grad(set_to_none=True)
         meter = ActivationMeter() if memory else None
         spans, losses = [], []
@@ -76,7 +77,7 @@ class ShardedModel:
         exposed = max(0.0, t2 - self.last_gradient_at) if self.last_gradient_at >= t1 else 0.0
         if self.by_hand:
             t3 = time.perf_counter()
-            data_parallel.average(self.model, self.me.group("dp"), self.spec.dp)
+            data_parallel.average(self.model, self.me.group("dp"), self.spec.layout.dp)
             exposed += time.perf_counter() - t3
         if self.optimizer is not None:
             self.optimizer.step() if apply is None else apply(self.optimizer)

@@ -62,8 +62,9 @@ def save(trainer, directory: str, asynchronous: bool = False) -> str:
     _barrier(trainer)
     torch.save(_rng_state(), os.path.join(partial, f"rank{trainer.rank}.rng"))
     _save_replica(trainer, partial)
-    meta = {"step": trainer.step, "seed": trainer.spec.seed, "world_size": trainer.me.mesh.size,
-            "mesh": dict(trainer.me.mesh.dims), "batch_size": trainer.spec.batch_size, "sync": trainer.spec.sync}
+    meta = {"step": trainer.step, "seed": trainer.spec.data.seed, "world_size": trainer.me.mesh.size,
+            "mesh": dict(trainer.me.mesh.dims), "batch_size": trainer.spec.data.batch_size,
+            "sync": trainer.spec.optimization.sync}
     if asynchronous:
         future = dcp.async_save(_state(trainer), checkpoint_id=partial, process_group=_writer_group(trainer))
         trainer.pending_save = (future, partial, final, meta, started)

@@ -47,7 +47,7 @@ class PipelineRunner:
         self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
         self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
         self.optimizer = self.executor.optimizer
-        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.precision)  # each stage's forward: the executor's
+        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.optimization.precision)  # each stage's forward: the executor's
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
         from nbdist.pipeline_parallel.ranks import pipeline
@@ -99,10 +99,11 @@ class ReplicaRunner:
     def __init__(self, spec, me):
         from nbdist.training.ranks import sync_modes
 
-        self.model = restore(spec.model_fn)()
-        self.optimizer = restore(spec.optimizer)(self.model.parameters())
-        self.sync = sync_modes.make(spec.sync, self.model, self.optimizer, me.comm("dp"), dict(spec.sync_options))
-        self.microbatches = spec.microbatches
+        self.model = restore(spec.whole_replicas.model_fn)()
+        self.optimizer = restore(spec.whole_replicas.optimizer)(self.model.parameters())
+        options = spec.optimization
+        self.sync = sync_modes.make(options.sync, self.model, self.optimizer, me.comm("dp"), dict(options.sync_options))
+        self.microbatches = options.grad_accum
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
         self.sync.scale, self.sync.apply = scale, apply  # loss scaling and clipping, per replica

@@ -49,13 +49,13 @@ class RankTrainer:
         self.device = torch.device(boot().device)
         self.me = rank_mesh.here(spec.mesh)
         self.replica = self.me.coords.get("dp", 0)
-        self.dataset = restore(spec.data)()
-        self.eval_set = restore(spec.eval_data)() if spec.eval_data else None
+        self.dataset = restore(spec.data_fn)()
+        self.eval_set = restore(spec.data.eval_data_fn)() if spec.data.eval_data_fn else None
         self.loss_fn = restore(spec.loss)
-        self.lr_schedule = restore(spec.lr_schedule)
+        self.lr_schedule = restore(spec.optimization.lr_schedule)
         self.runner = runners.make(spec, self.me)
         self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
-        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.optimization.precision == "fp16" else None
         self.step = 0
         self.records: list[dict] = []
         self.stop_requested = False
@@ -72,8 +72,8 @@ class RankTrainer:
     def share(self, step: int, dataset=None, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's share of global batch `step`, on this rank's device."""
         dataset = self.dataset if dataset is None else dataset
-        indices = datasets.batch_indices(len(dataset), step, self.spec.batch_size,
-                                         self.spec.seed if seed is None else seed)
+        indices = datasets.batch_indices(len(dataset), step, self.spec.data.batch_size,
+                                         self.spec.data.seed if seed is None else seed)
         x, y = datasets.collate(dataset, indices.chunk(self.spec.replicas)[self.replica])
         return x.to(self.device), y.to(self.device)
 
@@ -90,18 +90,18 @@ class RankTrainer:
         comm = report.get("comm_s", 0.0)
         record = {"step": k, "loss": None, "lr": self._lr(), "rank": self.rank, "started": started,
                   "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
-                  "comm_s": comm, "samples": self.spec.batch_size, "staleness": report.get("staleness", [])}
+                  "comm_s": comm, "samples": self.spec.data.batch_size, "staleness": report.get("staleness", [])}
         waited = self._agree(record, report["loss"], keep=self.lag)
         record["ended"] = time.perf_counter()
         record["idle_s"] = waited + report.get("idle_s", 0.0)
         if x.dim() >= 2 and not x.is_floating_point():
-            record["tokens"] = self.spec.batch_size * x.shape[1]
+            record["tokens"] = self.spec.data.batch_size * x.shape[1]
         self.step += 1
         self.records.append(record)
         return record
 
     def _autocast(self):
-        dtype = runners.AUTOCAST_DTYPES.get(self.spec.precision)
+        dtype = runners.AUTOCAST_DTYPES.get(self.spec.optimization.precision)
         return None if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -111,9 +111,9 @@ class RankTrainer:
         """The optimizer's step with the Trainer's extras: unscale (fp16), clip the global gradient norm, step."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        if self.spec.clip is not None:
+        if self.spec.optimization.clip is not None:
             stages = self.me.comm("pp") if "pp" in self.me.mesh.names else None
-            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.clip, stages)
+            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.optimization.clip, stages)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -179,8 +179,8 @@ class RankTrainer:
         model.eval()
         losses = []
         try:
-            for j in range(self.spec.eval_batches):
-                x, y = self.share(j, self.eval_set, self.spec.seed + 1)
+            for j in range(self.spec.data.eval_batches):
+                x, y = self.share(j, self.eval_set, self.spec.data.seed + 1)
                 loss = self.runner.evaluate(x, y, self.loss_fn, self._autocast())
                 if loss is not None:
                     losses.append(loss)
@@ -201,14 +201,14 @@ class RankTrainer:
         try:
             for _ in range(steps):
                 record = self.train_step()
-                if self._due(self.spec.eval_every):
+                if self._due(self.spec.data.eval_every):
                     self.complete_agreements()
                     record["eval_loss"] = self.evaluate()
                 checkpoint.settle(self, wait=False)
-                if self.spec.checkpoint_dir and self._due(self.spec.checkpoint_every):
+                if self.spec.checkpointing.dir and self._due(self.spec.checkpointing.every):
                     self.complete_agreements()
-                    record["checkpoint"] = checkpoint.save(self, self.spec.checkpoint_dir,
-                                                           self.spec.async_checkpoint)
+                    record["checkpoint"] = checkpoint.save(self, self.spec.checkpointing.dir,
+                                                           self.spec.checkpointing.asynchronous)
                     record["checkpoint_stall_s"] = self.last_save_stall_s
                 publish(force=False)
                 if self.stop_requested:
