@@ -34,6 +34,7 @@ __all__ = [
     "shard",
     "Plan",
     "Trainer",
+    "Layout",
     "load_ipython_extension",
 ]
 
@@ -49,6 +50,7 @@ _LAZY = {
     "shard": "nbdist.sharding.plan",
     "Plan": "nbdist.sharding.plan",
     "Trainer": "nbdist.training.trainer",
+    "Layout": "nbdist.layout",
 }
 
 

@@ -21,4 +21,4 @@ class ShardSpec:
     model: bytes  # the cloudpickled function that builds the whole model
     optimizer: bytes | None  # cloudpickled `params -> torch.optim.Optimizer`, or None (gradients only)
     tp_plan: dict[str, str] = field(default_factory=dict)  # qualified Linear name -> "colwise" | "rowwise"
-    ddp: dict = field(default_factory=dict)  # DDP options: bucket_cap_mb, hook (a name of data_parallel/ranks/hooks.py), ...
+    ddp: dict = field(default_factory=dict)  # DDP options: bucket_cap_mb, hook (a name in data_parallel/ranks/hooks.py)

@@ -30,8 +30,16 @@ from nbdist.layout import Layout
 from nbdist.training import checkpoints
 from nbdist.training.history import History
 from nbdist.training.ranks import training as on_ranks
-from nbdist.training.spec import (PRECISIONS, SYNC_KINDS, Checkpointing, Data, Optimization, Telemetry, TrainSpec,
-                                  WholeReplicas)
+from nbdist.training.spec import (
+    PRECISIONS,
+    SYNC_KINDS,
+    Checkpointing,
+    Data,
+    Optimization,
+    Telemetry,
+    TrainSpec,
+    WholeReplicas,
+)
 from nbdist.wire import portable
 
 _numbers = itertools.count()
@@ -260,7 +268,8 @@ class Trainer:
                 pass
 
     def __repr__(self) -> str:
-        what = self.plan.describe() if self.plan is not None else f"{self.optimization.sync} over {self.replicas} replicas"
+        sync = self.optimization.sync
+        what = self.plan.describe() if self.plan is not None else f"{sync} over {self.replicas} replicas"
         return f"<nbdist Trainer {self.id}: {what}; step {self.step}>"
 
 

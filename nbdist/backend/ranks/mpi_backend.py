@@ -50,7 +50,8 @@ import weakref
 import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
-from nbdist.backend.ranks.mpi_work import MpiWork, abandoned, complete_now
+from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
+from nbdist.backend.ranks.waiting import abandoned
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"

@@ -1,22 +1,8 @@
 """Completing the mpi4py process group's operations: the poll loop, Work objects, futures (runs ON the engines).
 
 Every operation of the mpi4py backend (nbdist/backend/ranks/mpi_backend.py) is one or more non-blocking MPI requests.
-They are completed here, by polling `Test` from Python instead of blocking in `MPI_Wait`, for one reason: Python
-runs signal handlers between bytecodes, so a rank waiting in a collective whose peer failed is freed by SIGINT
-(nbdist's interrupt) and keeps its engine and variables. A rank blocked in gloo or MPI_Wait cannot be freed that
-way; nbdist has to restart the engines.
-
-The loop spins first (MPICH's shared memory answers within microseconds, and `Test` is what drives its progress),
-then yields the core (`sched_yield`: engines often share cores, and a peer may need this one to get to the
-collective), then sleeps briefly (a long wait should not burn a core that a computing peer needs). Measured on 2
-ranks, a 1 KiB `Iallreduce` completed this way costs the same as a blocking `Allreduce` (about 3-4 us). With more
-ranks on a host than cores it yields after every test from the start: measured with 4 ranks on 2 cores, a 64 KiB
-`Iallreduce` polled without yielding took 15.9 ms, with a yield after each test 113 us (blocking: 103 us).
-
-A request that is abandoned (interrupted or timed out) cannot be cancelled: MPI has no way to cancel a
-collective. Its buffers are kept alive for good (MPI may still write into them) and its process group is marked
-broken: its ranks are out of step, so any later operation on it raises until `mpi_backend.renew()` has given
-every group a fresh communicator on every rank.
+They are completed by polling (backend/ranks/waiting.py), so that an interrupt frees a waiting rank; an
+operation given up is marked on its process group, which then raises until `mpi_backend.renew()`.
 
 Futures: gloo's Work objects hand out a future that completes by itself. MPI progresses only inside MPI calls, so
 a future needs someone to poll: `get_future()` hands the work to one progress thread (started on first use; made
@@ -26,7 +12,6 @@ it, so a plain `dist.all_reduce` pays no thread, lock or future.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,82 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-SPIN_SECONDS = 50e-6  # pure spinning this long: a collective between ready ranks completes within it
-YIELD_SECONDS = 5e-3  # then sched_yield between tests, then sleep NAP_SECONDS: a long wait leaves the core free
-NAP_SECONDS = 200e-6
-CHECK_EVERY = 64  # clock reads (and deadline checks) every this many tests while spinning
+from nbdist.backend.ranks.waiting import NAP_SECONDS, poll, test_all
+
 CALLBACK_THREADS = 32  # futures' callbacks run on up to this many threads: a callback may wait on another future
-
-
-def _oversubscribed() -> bool:
-    """More ranks on this host (MPICH's Hydra says how many, MPI_LOCALNRANKS) than cores this process may use."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return int(os.environ.get("MPI_LOCALNRANKS", "1")) > cores
-
-
-OVERSUBSCRIBED = _oversubscribed()  # then every spin yields: a spinning rank holds the core its peer needs
-
-abandoned: list = []  # (requests, buffers) of interrupted or timed-out operations: MPI may still write into them
-
-
-def test_all(requests: list) -> bool:
-    """Whether every request is complete (one `Test` call drives MPI's progress once)."""
-    if len(requests) == 1:
-        return requests[0].Test()
-    from mpi4py import MPI
-
-    return MPI.Request.Testall(requests)
-
-
-def poll(requests: list, seconds: float) -> bool:
-    """Test `requests` until complete (True) or until `seconds` have passed (False). Interruptible: a
-    KeyboardInterrupt raised by a signal handler between tests leaves this loop like any exception."""
-    if len(requests) == 1:
-        test = requests[0].Test
-    else:
-        from mpi4py import MPI
-
-        def test() -> bool:
-            return MPI.Request.Testall(requests)
-    if test():
-        return True
-    start = time.monotonic()
-    deadline = start + seconds
-    spins = 0
-    while not test():
-        spins += 1
-        if OVERSUBSCRIBED:
-            os.sched_yield()
-        if spins % CHECK_EVERY:
-            continue
-        now = time.monotonic()
-        if now > deadline:
-            return False
-        waited = now - start
-        if waited > YIELD_SECONDS:
-            time.sleep(NAP_SECONDS)
-        elif waited > SPIN_SECONDS:
-            os.sched_yield()
-    return True
-
-
-def complete_or_abandon(requests: list, buffers: tuple, seconds: float, late: str,
-                        abandon: list | None = None) -> None:
-    """Complete `requests` by polling (interruptible), for nbdist's own MPI traffic outside process groups (the
-    Trainer's step boundary, a synchroniser's exchange). Interrupted, or still pending after `seconds`, they are given
-    up for good (with `abandon`, others in flight beside them; their buffers kept alive: MPI may still write into
-    them) and the interrupt, or a TimeoutError saying `late`, is raised."""
-    try:
-        done = poll(requests, seconds)
-    except BaseException:
-        abandoned.append((abandon or requests, buffers))
-        raise
-    if not done:
-        abandoned.append((abandon or requests, buffers))
-        raise TimeoutError(late)
 
 
 def complete_now(group, op: str, requests: list, finish: Callable | None, buffers: tuple) -> MpiWork:

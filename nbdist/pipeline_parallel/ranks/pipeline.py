@@ -15,6 +15,7 @@ from torch import nn
 
 from nbdist.cluster.ranks import rank_mesh, registry
 from nbdist.data_parallel.ranks import data_parallel
+from nbdist.models.gathered import whole
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
 from nbdist.pipeline_parallel.ranks.transport import make_transport
@@ -112,14 +113,6 @@ def parameters(name: str, grads: bool) -> dict | None:
             out[stage] = {k: whole(v) for k, v in module.state_dict().items()}
     tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
     return out if tp_slice == 0 else None
-
-
-def whole(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if hasattr(t, "full_tensor"):  # a DTensor: tensor-parallel shards gathered
-        t = t.full_tensor()
-    return t.detach().cpu()
 
 
 def close(name: str) -> None:

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nbdist.backend.ranks.mpi_work import poll
+from nbdist.backend.ranks.waiting import poll
 
 
 class _TorchRequest:
@@ -57,7 +57,7 @@ class _MpiRequest:
     def wait(self) -> None:
         """Poll rather than block in MPI_Wait, so that an interrupt (a failed peer, the kernel's stop button)
         stops this rank between polls instead of leaving it stuck: the mpi4py backend's poll loop (spin, then yield
-        the core, then nap; backend/ranks/mpi_work.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB message
+        the core, then nap; backend/ranks/waiting.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB message
         (MPICH's rendezvous, which needs both sides polling) then took 103 us one time in two instead of 14."""
         poll([self.request], math.inf)
 

@@ -18,7 +18,7 @@ from torch import nn
 from nbdist.cluster.ranks import rank_mesh, registry
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.data_parallel.ranks import data_parallel
-from nbdist.pipeline_parallel.ranks.pipeline import whole
+from nbdist.models.gathered import whole
 from nbdist.sharding.ranks import zero
 from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.wire import restore

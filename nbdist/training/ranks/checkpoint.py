@@ -30,9 +30,9 @@ def folder(directory: str, step: int) -> str:
 
 
 def _barrier(trainer) -> None:
-    from nbdist.backend.ranks import mpi_work
+    from nbdist.backend.ranks import waiting
 
-    mpi_work.complete_or_abandon([trainer.me.everyone.Ibarrier()], (), 600.0,
+    waiting.complete_or_abandon([trainer.me.everyone.Ibarrier()], (), 600.0,
                                  f"rank {trainer.rank}: the other ranks did not reach the checkpoint within 600 s")
 
 

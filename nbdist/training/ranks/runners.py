@@ -10,6 +10,7 @@ import time
 import torch
 
 from nbdist.cluster.ranks import registry
+from nbdist.models.gathered import unsplit_view
 from nbdist.wire import restore
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype
@@ -47,7 +48,8 @@ class PipelineRunner:
         self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
         self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
         self.optimizer = self.executor.optimizer
-        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.optimization.precision)  # each stage's forward: the executor's
+        # each stage's forward runs under the executor's autocast
+        self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.optimization.precision)
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
         from nbdist.pipeline_parallel.ranks import pipeline
@@ -79,17 +81,6 @@ def whole_model_loss(model, x, y, loss_fn, autocast) -> float:
     without gradients."""
     with torch.no_grad(), (autocast or contextlib.nullcontext()):
         return float(loss_fn(model(x), y))
-
-
-def unsplit_view(modules: dict, layers: dict) -> torch.nn.Module:
-    """One module holding this rank's stage modules' layers under the unsplit model's names (layer a+i of a stage
-    that starts at layer a): what get_state_dict keys a checkpoint by, so it loads into any other plan."""
-    view = torch.nn.Module()
-    for stage, module in modules.items():
-        first = layers[stage][0]
-        for i, layer in enumerate(module):
-            view.add_module(str(first + i), layer)
-    return view
 
 
 class ReplicaRunner:

@@ -2,7 +2,7 @@
 
 All communication goes over a private duplicate of the replicas' communicator (so that it never pairs with the
 Trainer's or anyone else's traffic) as non-blocking MPI requests completed by the mpi4py backend's poll loop
-(backend/ranks/mpi_work.py): a rank waiting for a peer that failed is freed by nbdist's interrupt (SIGINT) instead of
+(backend/ranks/waiting.py): a rank waiting for a peer that failed is freed by nbdist's interrupt (SIGINT) instead of
 hanging in MPI_Wait and forcing a restart of the engines. An operation given up that way cannot be cancelled, so
 the synchronizer is then marked broken and refuses further use in one line.
 
@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.backend.ranks.mpi_work import complete_or_abandon, poll
+from nbdist.backend.ranks.waiting import complete_or_abandon, poll
 from nbdist.errors import DistUsageError
 
 # -- flat views of parameters and gradients --------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from nbdist.backend.ranks.mpi_work import abandoned
+from nbdist.backend.ranks.waiting import abandoned
 from nbdist.errors import DistUsageError
 from nbdist.training.ranks.sync_base import Synchronizer, add, flatten, report, write
 

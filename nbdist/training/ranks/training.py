@@ -25,7 +25,7 @@ import time
 import torch
 
 from nbdist import data as datasets
-from nbdist.backend.ranks import mpi_work
+from nbdist.backend.ranks import waiting
 from nbdist.cluster.ranks import rank_mesh, registry
 from nbdist.training.ranks import runners, telemetry
 from nbdist.wire import restore
@@ -113,7 +113,8 @@ class RankTrainer:
             self.scaler.unscale_(optimizer)
         if self.spec.optimization.clip is not None:
             stages = self.me.comm("pp") if "pp" in self.me.mesh.names else None
-            clip_gradients([p for g in optimizer.param_groups for p in g["params"]], self.spec.optimization.clip, stages)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            clip_gradients(params, self.spec.optimization.clip, stages)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -153,7 +154,7 @@ class RankTrainer:
         while len(self.pending) > keep:
             record, request, (mine, total) = self.pending[0]
             try:
-                mpi_work.complete_or_abandon([request], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+                waiting.complete_or_abandon([request], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
                                              f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other "
                                              f"ranks to reach step {record['step']}")
             except BaseException:
@@ -166,7 +167,7 @@ class RankTrainer:
 
     def _abandon_agreements(self) -> None:
         for _, request, buffers in self.pending[1:]:  # the oldest was given up by complete_or_abandon
-            mpi_work.abandoned.append(([request], buffers))
+            waiting.abandoned.append(([request], buffers))
         self.pending = []
         self.boundary = None  # out of step with the others: the next fit makes a fresh one
 
@@ -241,7 +242,7 @@ def clip_gradients(params: list, max_norm: float, stages=None) -> float:
     does on one process. Sharded gradients (DTensors: tensor parallel, FSDP2) count whole: their norm is taken of
     the gathered tensor, so every rank computes the same total (a collective, in parameter order). `stages`: the
     pipeline's MPI communicator, over which each stage's share of the squares is summed."""
-    from nbdist.pipeline_parallel.ranks.pipeline import whole
+    from nbdist.models.gathered import whole
 
     squares = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in params if p.grad is not None]
@@ -262,7 +263,7 @@ def _sum_over(comm, value: float) -> float:
     from mpi4py import MPI
 
     mine, total = np.array([value]), np.zeros(1)
-    mpi_work.complete_or_abandon([comm.Iallreduce(mine, total, op=MPI.SUM)], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
+    waiting.complete_or_abandon([comm.Iallreduce(mine, total, op=MPI.SUM)], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
                                  "the pipeline's ranks did not sum their gradient norms in time")
     return float(total[0])
 
