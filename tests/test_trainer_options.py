@@ -56,5 +56,7 @@ def test_a_layout_is_a_plan(cluster):
                         plan=Layout(tp=2))
     try:
         assert tr.plan.layout == Layout(tp=2) and tr.plan.tp == 2
+        held = [h for h in cluster.holdings() if h.get("name") == tr.model.id]
+        assert held and all("dp=1 tp=2 zero=0" in h["what"] for h in held), held  # what %dist_status shows
     finally:
         tr.close()

@@ -104,7 +104,7 @@ class ShardedModel:
         return sum(state_bytes(self.model, self.optimizer).values())
 
     def describe(self) -> str:
-        s = self.spec
+        s = self.spec.layout
         return f"dp={s.dp} tp={s.tp} zero={s.zero}; {self.me.describe()}"
 
 
