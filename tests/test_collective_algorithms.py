@@ -25,7 +25,8 @@ RANKS = [2, 3, 4, 5, 6, 8]
 
 
 @pytest.fixture(scope="module")
-def eight():
+def eight(shared_clusters):
+    shared_clusters.release(4)  # one big cluster at a time on 2 cores: the next test that uses cluster4 restarts it
     cluster = nbdist.Cluster(ClusterOptions(n=8)).start()
     yield cluster
     cluster.stop()

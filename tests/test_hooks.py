@@ -11,7 +11,6 @@ from torch import nn
 import nbdist
 from nbdist.data_parallel.ranks import hooks
 from nbdist.errors import DistError, DistUsageError
-from nbdist.cluster.options import ClusterOptions
 
 ATOL = 1e-6
 LR = 0.1
@@ -365,13 +364,6 @@ def test_powersgd_on_several_buckets_is_avoided_or_refused(cluster):
 SUBGROUP_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
-
 def replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each replica group trains on its own global batch (another seed per replica), so groups that mixed their
     gradients would end up with neither group's serial result."""
@@ -427,15 +419,15 @@ def assert_replicas_equal_their_serial_runs(results: list[dict], steps: int) -> 
     assert drift > 1e-3  # the replicas' serial results differ: equal to its own means no mixing with the other
 
 
-def test_mpi_hook_on_a_mesh_dp_group_equals_torch_and_each_replica_serial(four):
+def test_mpi_hook_on_a_mesh_dp_group_equals_torch_and_each_replica_serial(cluster4):
     """dp=2 x pp=2 on 4 ranks: two dp groups of two ranks ([0, 1] and [2, 3]), never the whole world. The MPI hook
     talks on the mesh's dp communicator; each group equals torch's (over the mpi4py backend) and its own serial
     run."""
-    m = nbdist.mesh(four, dp=2, pp=2)
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
     assert m.groups("dp") == [[0, 1], [2, 3]]
     steps = 3  # crosses DDP's bucket regrouping after the first step
-    mpi = four.run(_train_replica, m, "mpi", steps)
-    via_torch = four.run(_train_replica, m, "torch", steps)
+    mpi = cluster4.run(_train_replica, m, "mpi", steps)
+    via_torch = cluster4.run(_train_replica, m, "torch", steps)
     assert [r["replica"] for r in mpi] == [0, 0, 1, 1]
     assert all(r["hook"] == "mpi" and r["comm_size"] == 2 and r["mesh_comm"] for r in mpi)
     assert all(r["hook"] == "torch" and r["comm_size"] is None for r in via_torch)
@@ -444,27 +436,27 @@ def test_mpi_hook_on_a_mesh_dp_group_equals_torch_and_each_replica_serial(four):
     assert_replicas_equal_their_serial_runs(mpi, steps)
 
 
-def test_topk_on_a_sub_group_averages_within_it(four):
+def test_topk_on_a_sub_group_averages_within_it(cluster4):
     """Top-k's all-gather runs on the group's communicator: with ratio 1 (everything sent) it is the group's plain
     average, so each replica equals its own serial run."""
-    m = nbdist.mesh(four, dp=2, pp=2)
-    results = four.run(_train_replica, m, "topk", 2, ratio=1.0)
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
+    results = cluster4.run(_train_replica, m, "topk", 2, ratio=1.0)
     assert all(r["hook"] == "topk" and r["comm_size"] == 2 for r in results)
     assert_replicas_equal_their_serial_runs(results, 2)
 
 
-def test_mpi_hook_on_groups_of_no_mesh_makes_their_communicator_once(four):
+def test_mpi_hook_on_groups_of_no_mesh_makes_their_communicator_once(cluster4):
     """Groups [0, 3] and [1, 2] belong to no mesh: each gets an MPI communicator of its ranks, made by its members
     only and kept in the engine registry (listed by Cluster.holdings), reused on the next call."""
     where = [[0, 3], [1, 2]]
-    first = four.run(_train_replica, where, "mpi", 3)
-    again = four.run(_train_replica, where, "mpi", 3)
+    first = cluster4.run(_train_replica, where, "mpi", 3)
+    again = cluster4.run(_train_replica, where, "mpi", 3)
     assert [r["replica"] for r in first] == [0, 1, 1, 0]
     assert all(r["comm_size"] == 2 and not r["mesh_comm"] for r in first)
     assert_replicas_equal_their_serial_runs(first, 3)
     for a, b in zip(first, again):
         assert_params_close(a["params"], b["params"])
-    held = [row for row in four.holdings() if row["kind"] == "mpi-comm"]
+    held = [row for row in cluster4.holdings() if row["kind"] == "mpi-comm"]
     assert sorted((row["rank"], row["name"]) for row in held) == [
         (0, "ranks:0,3"), (1, "ranks:1,2"), (2, "ranks:1,2"), (3, "ranks:0,3")]  # once each, members only
     assert {row["what"] for row in held} == {"MPI communicator of ranks [0, 3]", "MPI communicator of ranks [1, 2]"}

@@ -5,14 +5,6 @@ import pytest
 import nbdist
 from nbdist.errors import DistUsageError
 from nbdist.cluster.mesh import layout
-from nbdist.cluster.options import ClusterOptions
-
-
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
 
 
 # -- the layout (plain data) ---------------------------------------------------------------------------------------
@@ -98,9 +90,9 @@ def _view(m):
     return out
 
 
-def test_groups_and_communicators_on_the_ranks_match_the_layout(four):
-    m = nbdist.mesh(four, dp=2, pp=2)
-    for rank, seen in enumerate(four.run(_view, m)):
+def test_groups_and_communicators_on_the_ranks_match_the_layout(cluster4):
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
+    for rank, seen in enumerate(cluster4.run(_view, m)):
         assert seen["coords"] == m.coords(rank)
         for dim in m.names:
             group = m.group_of(dim, rank)
@@ -110,19 +102,19 @@ def test_groups_and_communicators_on_the_ranks_match_the_layout(four):
             assert seen[dim]["torch_sum"] == seen[dim]["mpi_sum"] == expected_sum
 
 
-def test_a_mesh_is_made_once_and_listed_in_what_the_ranks_hold(four):
-    first = nbdist.mesh(four, pp=2, dp=2)
-    again = nbdist.mesh(four, dp=2, pp=2)
+def test_a_mesh_is_made_once_and_listed_in_what_the_ranks_hold(cluster4):
+    first = nbdist.mesh(cluster4, pp=2, dp=2)
+    again = nbdist.mesh(cluster4, dp=2, pp=2)
     assert first == again
-    held = [row for row in four.holdings() if row["kind"] == "mesh" and row["name"] == first.name]
+    held = [row for row in cluster4.holdings() if row["kind"] == "mesh" and row["name"] == first.name]
     assert sorted(row["rank"] for row in held) == [0, 1, 2, 3]
     assert "this rank at pp=1, dp=1" in next(row["what"] for row in held if row["rank"] == 3)
-    assert first.name in str(four.status())
+    assert first.name in str(cluster4.status())
 
 
-def test_ranks_outside_a_smaller_mesh_hold_nothing_of_it(four):
-    m = nbdist.mesh(four, pp=2)
-    held = {row["rank"] for row in four.holdings() if row["name"] == m.name}
+def test_ranks_outside_a_smaller_mesh_hold_nothing_of_it(cluster4):
+    m = nbdist.mesh(cluster4, pp=2)
+    held = {row["rank"] for row in cluster4.holdings() if row["name"] == m.name}
     assert held == {0, 1}
-    seen = four.run(_view, m, ranks=[0, 1])
+    seen = cluster4.run(_view, m, ranks=[0, 1])
     assert [s["pp"]["torch_ranks"] for s in seen] == [[0, 1], [0, 1]]

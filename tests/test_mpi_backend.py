@@ -16,15 +16,6 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.cluster.options import ClusterOptions
-
-
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
 
 # -- what runs on the engines ------------------------------------------------------------------------------------
 
@@ -427,8 +418,8 @@ def assert_same(gloo, mine, tolerance: float, where: str) -> None:
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
-def test_every_operation_equals_gloo(four, k):
-    results = four.run(every_op, k, timeout=300)
+def test_every_operation_equals_gloo(cluster4, k):
+    results = cluster4.run(every_op, k, timeout=300)
     assert all(results[r] is None for r in range(k, 4))
     for rank in range(k):
         assert len(results[rank]) > 70
@@ -436,13 +427,13 @@ def test_every_operation_equals_gloo(four, k):
             assert_same(gloo, mine, tolerance, f"{case} on rank {rank} of {k}")
 
 
-def test_ddp_over_mpi4py_trains_as_over_gloo(four):
-    for rank, params in enumerate(four.run(ddp_steps, timeout=120)):
+def test_ddp_over_mpi4py_trains_as_over_gloo(cluster4):
+    for rank, params in enumerate(cluster4.run(ddp_steps, timeout=120)):
         assert_same(params["gloo"], params["mpi4py"], 1e-6, f"DDP parameters on rank {rank}")
 
 
-def test_sub_groups_map_to_sub_communicators(four):
-    results = four.run(in_groups, "sub", timeout=120)
+def test_sub_groups_map_to_sub_communicators(cluster4):
+    results = cluster4.run(in_groups, "sub", timeout=120)
     for rank, mine in enumerate(results):
         keys = {ranks for ranks, _ in mine}
         assert keys == {ranks for ranks in ((0, 2), (1, 3), (1, 2, 3)) if rank in ranks}, rank
@@ -453,18 +444,18 @@ def test_sub_groups_map_to_sub_communicators(four):
             assert ours[0].tolist() == [i * sum(q + 1 for q in ranks) for i in range(4)]  # and not gloo's luck
 
 
-def test_a_rank_raising_frees_the_rank_waiting_in_an_all_reduce(four):
-    before = four.run(keep, "still here")
+def test_a_rank_raising_frees_the_rank_waiting_in_an_all_reduce(cluster4):
+    before = cluster4.run(keep, "still here")
     with pytest.raises(nbdist.DistError, match=r"rank 1 raised ValueError: broken before.*interrupted rank\(s\) 0"
                                                r".*MPI group\(s\) renewed, engine variables kept"):
-        four.run(waits_in_all_reduce, 1, timeout=60)
-    assert four.run(keep) == before  # the same processes, their registry kept: no restart
-    results = four.run(all_reduce_on, "test-mpi4py:pair", timeout=60)  # renewed: not paired with the abandoned one
+        cluster4.run(waits_in_all_reduce, 1, timeout=60)
+    assert cluster4.run(keep) == before  # the same processes, their registry kept: no restart
+    results = cluster4.run(all_reduce_on, "test-mpi4py:pair", timeout=60)  # renewed: not paired with the abandoned one
     assert results[0].tolist() == results[1].tolist() == [3.0, 3.0, 3.0]
 
 
-def test_a_wait_past_the_groups_timeout_raises_naming_the_operation(four):
+def test_a_wait_past_the_groups_timeout_raises_naming_the_operation(cluster4):
     with pytest.raises(nbdist.DistError, match=r"rank 0 raised \w+: mpi4py all_reduce on the group of ranks "
                                                r"\[0, 1\] timed out after 2 s on rank 0"):
-        four.run(alone_in_a_short_group, timeout=60)
-    assert four.run(all_reduce_on, "test-mpi4py:short", timeout=60)[0].tolist() == [3.0, 3.0, 3.0]
+        cluster4.run(alone_in_a_short_group, timeout=60)
+    assert cluster4.run(all_reduce_on, "test-mpi4py:short", timeout=60)[0].tolist() == [3.0, 3.0, 3.0]

@@ -8,7 +8,6 @@ from torch import nn
 
 import nbdist
 from nbdist.errors import DistUsageError
-from nbdist.cluster.options import ClusterOptions
 from nbdist.pipeline_parallel.pipedream import pipedream_reference
 from nbdist.schedules import NAMES, build
 
@@ -22,13 +21,6 @@ def build_model() -> nn.Sequential:
     for i in range(8):
         layers += [nn.Linear(12, 12), nn.Tanh()] if i < 7 else [nn.Linear(12, 3)]
     return nn.Sequential(*layers)
-
-
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +46,9 @@ SYNCHRONOUS = [name for name in NAMES if name != "pipedream"]
 
 
 @pytest.mark.parametrize("name", SYNCHRONOUS)
-def test_schedule_equals_serial(four, batch, name):
+def test_schedule_equals_serial(cluster4, batch, name):
     chunks = 2 if name.startswith("interleaved") else 1
-    pipe = nbdist.pipeline(build_model, 4, name, microbatches=4, chunks=chunks, cluster=four)
+    pipe = nbdist.pipeline(build_model, 4, name, microbatches=4, chunks=chunks, cluster=cluster4)
     loss = pipe.step(*batch, LOSS)
     expected_loss, expected_grads = serial(batch)
     assert loss == pytest.approx(expected_loss, abs=ATOL)
@@ -64,9 +56,9 @@ def test_schedule_equals_serial(four, batch, name):
     pipe.close()
 
 
-def test_module_split_unevenly_equals_serial(four, batch):
+def test_module_split_unevenly_equals_serial(cluster4, batch):
     model = build_model()
-    pipe = nbdist.pipeline(model, 3, "gpipe", microbatches=8, balance=[2, 9, 4], cluster=four)
+    pipe = nbdist.pipeline(model, 3, "gpipe", microbatches=8, balance=[2, 9, 4], cluster=cluster4)
     loss = pipe.step(*batch, LOSS)
     expected_loss, expected_grads = serial(batch)
     assert pipe.balance == [2, 9, 4]
@@ -75,9 +67,9 @@ def test_module_split_unevenly_equals_serial(four, batch):
     torch.testing.assert_close(pipe.state_dict(), model.state_dict(), atol=0, rtol=0)
 
 
-def test_pipedream_follows_weight_stashing_semantics(four, batch):
+def test_pipedream_follows_weight_stashing_semantics(cluster4, batch):
     lr = 0.05
-    pipe = nbdist.pipeline(build_model, 4, "pipedream", microbatches=8, lr=lr, cluster=four)
+    pipe = nbdist.pipeline(build_model, 4, "pipedream", microbatches=8, lr=lr, cluster=cluster4)
     loss = pipe.step(*batch, LOSS)
     reference = pipedream_reference(build_model(), pipe.schedule, pipe.ranges, *batch, LOSS, lr)
     assert loss == pytest.approx(reference["loss"], abs=ATOL)
@@ -86,8 +78,8 @@ def test_pipedream_follows_weight_stashing_semantics(four, batch):
     assert max(reference["versions"].values()) > 0  # later micro-batches really saw updated (newer) weights
 
 
-def test_optimizer_steps_after_the_schedule(four, batch):
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four,
+def test_optimizer_steps_after_the_schedule(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=cluster4,
                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     pipe.step(*batch, LOSS)
     model = build_model()
@@ -97,8 +89,8 @@ def test_optimizer_steps_after_the_schedule(four, batch):
     torch.testing.assert_close(pipe.state_dict(), model.state_dict(), atol=ATOL, rtol=0)
 
 
-def test_stepper_runs_tick_by_tick_to_the_same_result(four, batch):
-    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+def test_stepper_runs_tick_by_tick_to_the_same_result(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=cluster4)
     stepper = pipe.stepper(*batch, LOSS)
     state = stepper.next()
     assert state.tick == 1 and state.last_actions[0] == "0F0" and state.last_actions[3] is None
@@ -114,8 +106,8 @@ def test_stepper_runs_tick_by_tick_to_the_same_result(four, batch):
         stepper.next()
 
 
-def test_measured_timeline_has_every_action(four, batch):
-    pipe = nbdist.pipeline(build_model, 4, "gpipe", microbatches=4, cluster=four)
+def test_measured_timeline_has_every_action(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 4, "gpipe", microbatches=4, cluster=cluster4)
     pipe.step(*batch, LOSS)
     timeline = pipe.timeline
     assert timeline.makespan > 0 and 0 <= timeline.bubble_fraction < 1
@@ -134,27 +126,27 @@ def test_measured_timeline_has_every_action(four, batch):
         (dict(stages=2, schedule="zigzag"), "unknown schedule 'zigzag'"),
     ],
 )
-def test_bad_pipelines_name_the_constraint(four, kwargs, message):
-    kwargs = {"model": build_model, "cluster": four, "microbatches": 4, **kwargs}
+def test_bad_pipelines_name_the_constraint(cluster4, kwargs, message):
+    kwargs = {"model": build_model, "cluster": cluster4, "microbatches": 4, **kwargs}
     with pytest.raises(DistUsageError, match=message):
         nbdist.pipeline(**kwargs)
 
 
-def test_batch_that_microbatches_do_not_divide(four, batch):
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=3, cluster=four)
+def test_batch_that_microbatches_do_not_divide(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=3, cluster=cluster4)
     with pytest.raises(DistUsageError, match="batch of 16 inputs does not split into 3 equal micro-batches"):
         pipe.step(*batch, LOSS)
-    pipe2 = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    pipe2 = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=cluster4)
     assert pipe2.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # nothing left hanging
 
 
-def test_a_rank_failing_mid_step_frees_the_others(four, batch):
+def test_a_rank_failing_mid_step_frees_the_others(cluster4, batch):
     """The last stage raises in its loss; the ranks waiting for its gradients are interrupted, not left stuck."""
 
     def broken_loss(output, target):
         raise ValueError("loss exploded")
 
-    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=cluster4)
     with pytest.raises(nbdist.DistError, match=r"rank 3 raised ValueError: loss exploded.*interrupted rank\(s\)"):
         pipe.step(*batch, broken_loss, timeout=60)
     assert pipe.step(*batch, LOSS) == pytest.approx(serial(batch)[0], abs=ATOL)  # same pipeline, next step works
@@ -166,11 +158,11 @@ def build_wide_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_stepper_with_large_messages_never_hangs(four, name):
+def test_stepper_with_large_messages_never_hangs(cluster4, name):
     """128 KiB activations take MPI's rendezvous path: paused senders must keep their messages moving."""
     torch.manual_seed(2)
     x, y = torch.randn(256, 1024), torch.randn(256, 1024)
-    pipe = nbdist.pipeline(build_wide_model, 2, name, microbatches=8, cluster=four)
+    pipe = nbdist.pipeline(build_wide_model, 2, name, microbatches=8, cluster=cluster4)
     stepper = pipe.stepper(x, y, LOSS)
     while not stepper.done:
         stepper.next()
@@ -178,8 +170,8 @@ def test_stepper_with_large_messages_never_hangs(four, name):
     assert stepper.loss == pytest.approx(LOSS(model(x), y).item(), abs=ATOL)
 
 
-def test_ideal_is_the_schedule_simulated_with_median_durations(four, batch):
-    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=four)
+def test_ideal_is_the_schedule_simulated_with_median_durations(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 4, "1f1b", microbatches=4, cluster=cluster4)
     for _ in range(3):
         pipe.step(*batch, LOSS)
     ideal = pipe.ideal()
@@ -191,16 +183,16 @@ def test_ideal_is_the_schedule_simulated_with_median_durations(four, batch):
         assert ideal_forwards == pytest.approx([statistics.median(measured)] * 4, rel=1e-9)
 
 
-def test_a_full_speed_step_is_one_call_with_nothing_cut(four, batch):
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+def test_a_full_speed_step_is_one_call_with_nothing_cut(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=cluster4)
     pipe.step(*batch, LOSS)
     assert pipe.timeline.cuts == [] and pipe.timeline.name == "1f1b (measured)"
 
 
-def test_stepping_with_pauses_measures_the_work_not_the_pauses(four, batch):
+def test_stepping_with_pauses_measures_the_work_not_the_pauses(cluster4, batch):
     """Three Steps with a pause after each, then Run: the raw clock spans the pauses, the work timeline does not."""
     pause = 1.0
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=cluster4)
     stepper = pipe.stepper(*batch, LOSS)
     for _ in range(3):
         stepper.next()
@@ -219,8 +211,8 @@ def test_stepping_with_pauses_measures_the_work_not_the_pauses(four, batch):
     assert stepper.loss == pytest.approx(serial(batch)[0], abs=ATOL)
 
 
-def test_tick_timeline_puts_every_action_at_its_tick(four, batch):
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=four)
+def test_tick_timeline_puts_every_action_at_its_tick(cluster4, batch):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=4, cluster=cluster4)
     stepper = pipe.stepper(*batch, LOSS)
     stepper.next(3)
     ticks = stepper.tick_timeline()

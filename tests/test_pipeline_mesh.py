@@ -47,13 +47,6 @@ def serial(batches) -> tuple[list[float], dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def reference():
     return serial(global_batches())
 
@@ -64,18 +57,18 @@ def assert_close_dicts(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=0)
 
 
-def replica_weights(four, pipe, replica: int) -> dict:
-    return four.run(on_ranks.parameters, pipe.id, False, ranks=pipe.pipelines[replica])
+def replica_weights(cluster4, pipe, replica: int) -> dict:
+    return cluster4.run(on_ranks.parameters, pipe.id, False, ranks=pipe.pipelines[replica])
 
 
 @pytest.mark.parametrize("schedule, chunks, transport", [
     ("1f1b", 1, "auto"), ("gpipe", 1, "auto"), ("interleaved-1f1b", 2, "auto"), ("zb-h1", 1, "auto"),
     ("1f1b", 1, "torch"),
 ])
-def test_dp_by_pp_equals_one_process(four, reference, schedule, chunks, transport):
-    m = nbdist.mesh(four, dp=2, pp=2)
+def test_dp_by_pp_equals_one_process(cluster4, reference, schedule, chunks, transport):
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
     pipe = nbdist.pipeline(build_model, mesh=m, schedule=schedule, microbatches=4, chunks=chunks,
-                           optimizer=adam, transport=transport, cluster=four)
+                           optimizer=adam, transport=transport, cluster=cluster4)
     assert pipe.replicas == 2 and pipe.pipelines == [[0, 2], [1, 3]]
     losses = [pipe.step(x, y, LOSS) for x, y in global_batches()]
     expected_losses, expected_weights, expected_grads = reference
@@ -85,12 +78,12 @@ def test_dp_by_pp_equals_one_process(four, reference, schedule, chunks, transpor
     pipe.close()
 
 
-def test_the_replicas_stay_identical(four):
-    m = nbdist.mesh(four, dp=2, pp=2)
-    pipe = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=2, optimizer=adam, cluster=four)
+def test_the_replicas_stay_identical(cluster4):
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
+    pipe = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=2, optimizer=adam, cluster=cluster4)
     for x, y in global_batches():
         pipe.step(x, y, LOSS)
-    first, second = replica_weights(four, pipe, 0), replica_weights(four, pipe, 1)
+    first, second = replica_weights(cluster4, pipe, 0), replica_weights(cluster4, pipe, 1)
     for a, b in zip(first, second):
         assert a.keys() == b.keys()
         for stage in a:
@@ -99,9 +92,9 @@ def test_the_replicas_stay_identical(four):
     pipe.close()
 
 
-def test_the_timeline_shows_both_replicas(four):
-    m = nbdist.mesh(four, dp=2, pp=2)
-    pipe = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=4, cluster=four)
+def test_the_timeline_shows_both_replicas(cluster4):
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
+    pipe = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=4, cluster=cluster4)
     x, y = global_batches()[0]
     pipe.step(x, y, LOSS)
     timeline = pipe.timeline
@@ -115,10 +108,10 @@ def test_the_timeline_shows_both_replicas(four):
     pipe.close()
 
 
-def test_stepping_a_dp_pipeline_to_the_end_equals_its_full_step(four, reference):
-    m = nbdist.mesh(four, dp=2, pp=2)
+def test_stepping_a_dp_pipeline_to_the_end_equals_its_full_step(cluster4, reference):
+    m = nbdist.mesh(cluster4, dp=2, pp=2)
     batches = global_batches()
-    stepped = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=4, optimizer=adam, cluster=four)
+    stepped = nbdist.pipeline(build_model, mesh=m, schedule="1f1b", microbatches=4, optimizer=adam, cluster=cluster4)
     losses = []
     for x, y in batches:
         st = stepped.stepper(x, y, LOSS)
@@ -131,14 +124,14 @@ def test_stepping_a_dp_pipeline_to_the_end_equals_its_full_step(four, reference)
     stepped.close()
 
 
-def test_without_a_mesh_a_pipeline_uses_the_first_ranks(four):
-    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=2, cluster=four)
+def test_without_a_mesh_a_pipeline_uses_the_first_ranks(cluster4):
+    pipe = nbdist.pipeline(build_model, 2, "1f1b", microbatches=2, cluster=cluster4)
     assert pipe.replicas == 1 and pipe.pipelines == [[0, 1]] and pipe.ranks == [0, 1]
     pipe.step(*global_batches()[0], LOSS)
     assert sorted(pipe.timeline.spans) == [0, 1]
-    assert {row["rank"] for row in four.holdings() if row["name"] == pipe.id} == {0, 1}
+    assert {row["rank"] for row in cluster4.holdings() if row["name"] == pipe.id} == {0, 1}
     pipe.close()
-    assert not [row for row in four.holdings() if row["name"] == pipe.id]
+    assert not [row for row in cluster4.holdings() if row["name"] == pipe.id]
 
 
 @pytest.mark.parametrize("make, message", [
@@ -150,13 +143,13 @@ def test_without_a_mesh_a_pipeline_uses_the_first_ranks(four):
     (lambda c: dict(stages=2, transport="carrier-pigeon"), "unknown transport 'carrier-pigeon'"),
     (lambda c: dict(stages=None), "give stages=p"),
 ])
-def test_bad_mesh_pipelines_get_one_line(four, make, message):
+def test_bad_mesh_pipelines_get_one_line(cluster4, make, message):
     with pytest.raises(DistUsageError, match=message):
-        nbdist.pipeline(build_model, cluster=four, **make(four))
+        nbdist.pipeline(build_model, cluster=cluster4, **make(cluster4))
 
 
-def test_a_batch_must_split_over_replicas_and_microbatches(four):
-    pipe = nbdist.pipeline(build_model, mesh=nbdist.mesh(four, dp=2, pp=2), microbatches=4, cluster=four)
+def test_a_batch_must_split_over_replicas_and_microbatches(cluster4):
+    pipe = nbdist.pipeline(build_model, mesh=nbdist.mesh(cluster4, dp=2, pp=2), microbatches=4, cluster=cluster4)
     x, y = torch.randn(12, 10), torch.randn(12, 2)
     with pytest.raises(DistUsageError, match="batch of 12 inputs does not split into 2 replicas × 4 equal"):
         pipe.step(x, y, LOSS)
@@ -178,9 +171,9 @@ def test_objects_made_before_a_restart_say_so_in_one_line():
         cluster.stop()
 
 
-def test_the_live_view_shows_every_rank_of_every_replica(four):
-    pipe = nbdist.pipeline(build_model, mesh=nbdist.mesh(four, dp=2, pp=2), schedule="gpipe", microbatches=2,
-                           cluster=four)
+def test_the_live_view_shows_every_rank_of_every_replica(cluster4):
+    pipe = nbdist.pipeline(build_model, mesh=nbdist.mesh(cluster4, dp=2, pp=2), schedule="gpipe", microbatches=2,
+                           cluster=cluster4)
     st = pipe.stepper(*global_batches()[0], LOSS)
     view = st.widget()
     st.next(2)

@@ -23,7 +23,6 @@ import nbdist
 from nbdist import data, models
 from nbdist.errors import DistUsageError
 from nbdist.cluster.mesh import layout
-from nbdist.cluster.options import ClusterOptions
 from nbdist.sharding.memory import RankMemory
 from nbdist.sharding.shape import micro_batch_size
 from nbdist.units import format_bytes
@@ -280,15 +279,8 @@ def test_apply_builds_the_plan_and_its_step_trains(cluster):
 # -- dp x pp x tp on 4 engines --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
-
-def test_every_rank_of_a_stage_gets_its_stages_prediction_on_four_engines(four):
-    view = PlannerView(nbdist.shard(model_fn, dp=4, cluster=four))
+def test_every_rank_of_a_stage_gets_its_stages_prediction_on_four_engines(cluster4):
+    view = PlannerView(nbdist.shard(model_fn, dp=4, cluster=cluster4))
     assert list(view.dp.options) == [1, 2, 4]
     view.choose(dp=2, pp=2, microbatches=2)
     assert_shows(view)

@@ -108,13 +108,6 @@ def test_two_ranks_train_like_one_process(cluster, plan, optimizer):
     assert_equal_to_serial(train(cluster, optimizer, **plan), optimizer)
 
 
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
-
 FOUR = [
     {"dp": 2, "pp": 2, "microbatches": 2},
     {"dp": 2, "tp": 2},
@@ -125,11 +118,12 @@ FOUR = [
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("plan", FOUR, ids=lambda p: " ".join(f"{k}={v}" for k, v in p.items()))
-def test_four_ranks_train_like_one_process(four, plan, optimizer):
-    assert_equal_to_serial(train(four, optimizer, **plan), optimizer)
+def test_four_ranks_train_like_one_process(cluster4, plan, optimizer):
+    assert_equal_to_serial(train(cluster4, optimizer, **plan), optimizer)
 
 
-def test_three_d_on_eight_engines_trains_like_one_process():
+def test_three_d_on_eight_engines_trains_like_one_process(shared_clusters):
+    shared_clusters.release(4)  # one big cluster at a time on 2 cores: the next test that uses cluster4 restarts it
     with nbdist.Cluster(ClusterOptions(n=8)).start() as eight:
         for optimizer in OPTIMIZERS:
             got = train(eight, optimizer, dp=2, pp=2, tp=2, microbatches=2)
@@ -272,10 +266,10 @@ def test_a_model_fn_failing_on_one_rank_names_it_and_leaves_the_cluster_usable(c
     assert_equal_to_serial(train(cluster, "sgd", dp=2), "sgd")  # and a plan still runs
 
 
-def test_a_pipeline_of_tensor_slices_names_each_slice_in_its_timeline(four):
+def test_a_pipeline_of_tensor_slices_names_each_slice_in_its_timeline(cluster4):
     """pp=2 x tp=2: two pipelines run side by side, one per tensor slice; the measured timeline groups the ranks by
     pipeline and names each by its coordinates (not "replica": both slices are the same replica)."""
-    pipe = nbdist.shard(model_fn, pp=2, tp=2, microbatches=2, cluster=four).apply(sgd)
+    pipe = nbdist.shard(model_fn, pp=2, tp=2, microbatches=2, cluster=cluster4).apply(sgd)
     try:
         x, y = batches()[0]
         pipe.step(x, y, models.lm_loss)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.cluster.options import ClusterOptions
 
 LR, MOMENTUM = 0.05, 0.9
 LOCAL = 8  # samples per replica and step
@@ -142,16 +141,9 @@ def easgd_equations(replicas: int, steps: int, alpha: float, tau: int) -> tuple[
 # -- clusters ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def four():
-    cluster = nbdist.Cluster(ClusterOptions(n=4)).start()
-    yield cluster
-    cluster.stop()
-
-
 @pytest.fixture(params=[2, 4], ids=["2 engines", "4 engines"])
 def engines(request) -> tuple[int, nbdist.Cluster]:
-    return request.param, request.getfixturevalue("cluster" if request.param == 2 else "four")
+    return request.param, request.getfixturevalue("cluster" if request.param == 2 else "cluster4")
 
 
 # -- the claims ----------------------------------------------------------------------------------------------------
@@ -206,9 +198,9 @@ def test_synchronous_strategies_train_as_one_process(engines, kind, options, mic
         assert mine == pytest.approx([losses[step][rank] for step in range(steps)], abs=1e-5), f"rank {rank}"
 
 
-def test_ssp_lets_fast_replicas_run_ahead_by_the_bound_and_drains_to_every_update(four):
+def test_ssp_lets_fast_replicas_run_ahead_by_the_bound_and_drains_to_every_update(cluster4):
     bound, steps, slow = 2, 12, {3: 0.05}
-    results = four.run(train, model_fn, batch, "ssp", {"staleness": bound}, steps, slow=slow, finish=2, timeout=120)
+    results = cluster4.run(train, model_fn, batch, "ssp", {"staleness": bound}, steps, slow=slow, finish=2, timeout=120)
     initial = results[0]["initial"]
     everything = initial + sum(r["contributed"] for r in results)
     for rank, r in enumerate(results):

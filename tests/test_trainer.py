@@ -121,13 +121,12 @@ def test_fit_trains_like_one_process(cluster, plan):
         tr.close()
 
 
-def test_four_engine_meshes_train_like_one_process():
-    with nbdist.Cluster(ClusterOptions(n=4)).start() as four:
-        for plan in ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2, "microbatches": 2}):
-            tr = trainer(four, plan=plan)
-            tr.fit(steps=3)
-            assert_same(tr.state_dict(), serial(3))
-            tr.close()
+def test_four_engine_meshes_train_like_one_process(cluster4):
+    for plan in ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2, "microbatches": 2}):
+        tr = trainer(cluster4, plan=plan)
+        tr.fit(steps=3)
+        assert_same(tr.state_dict(), serial(3))
+        tr.close()
 
 
 def test_gradient_accumulation_clipping_and_schedule_match_one_process(cluster):
