@@ -44,6 +44,7 @@ import psutil
 import pytest
 
 import nbdist
+from gpu_engines import KINDS, start_engine
 from nbdist.cluster.options import ClusterOptions
 
 TESTS = Path(__file__).resolve().parent
@@ -375,3 +376,12 @@ def pytest_terminal_summary(terminalreporter):
         for module, kinds in sorted(_LEFT.items()):
             terminalreporter.write_line(f"{module}: " + ", ".join(f"{count} {kind}" for kind, count in
                                                                    sorted(kinds.items())) + " (entries × ranks)")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def engine(request):
+    """One engine of each kind (a CUDA one, skipped where there is no GPU, and a CPU one) for each module of the GPU
+    checks (tests/test_gpu*.py), stopped when the module ends."""
+    started = start_engine(request.param)
+    yield started
+    started.cluster.stop()

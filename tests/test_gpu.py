@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import pytest
 from gpu_engines import (
-    KINDS,
     assert_device,
     assert_no_cuda_context_in_kernel,
     cuda_only,
     on_rank_collectives,
     skip_without_cuda,
-    start_engine,
 )
 
 import nbdist
@@ -28,13 +26,6 @@ pytestmark = pytest.mark.cluster  # starts real MPI engines (one-engine clusters
 
 EXACT_ATOL = 1e-6  # gradients that should be bit-equal: room for a GPU's reordered sums, nothing more
 OPS = ("all_reduce", "all_gather", "broadcast")
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def engine(request):
-    started = start_engine(request.param)
-    yield started
-    started.cluster.stop()
 
 
 # -- the engine's device, the kernel without CUDA ---------------------------------------------------------------------

@@ -26,7 +26,6 @@ from gpu_engines import (
     on_rank_touch_cuda,
     skip_without_cuda,
     start_cluster,
-    start_engine,
     wait_off_gpu,
 )
 
@@ -39,13 +38,6 @@ MIN_MAKESPAN_SHARE = 0.5  # the timeline must cover at least this share of the s
 STUCK_CELL_TIMEOUT = 8.0  # the stuck cell's --timeout
 SLEEP_CYCLES = 2**42  # torch.cuda._sleep spins this many GPU clock cycles: over half an hour at 2 GHz
 STUCK_MPI_TAG = 31337  # the CPU stand-in for a stuck kernel waits for a message with this tag, which no one sends
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def engine(request):
-    started = start_engine(request.param)
-    yield started
-    started.cluster.stop()
 
 
 # -- pipeline steps ---------------------------------------------------------------------------------------------------
