@@ -7,8 +7,9 @@
 Everything a magic does, a function here does too: `start`, `current`, `stop`, `Cluster.run`, `Cluster.execute`.
 
 The package imports its parts on first use (PEP 562): `import nbdist` stays light (no ipyparallel, no torch), and
-the small modules that nbdist's own processes run (`python -m nbdist.cluster.lifeline`, `python -m nbdist.cluster.ranks.main`)
-are not already imported by the package when Python runs them as `__main__` (which would warn).
+the small modules that nbdist's own processes run (`python -m nbdist.cluster.lifeline`, `python -m
+nbdist.cluster.ranks.main`) are not already imported by the package when Python runs them as `__main__` (which would
+warn).
 """
 from __future__ import annotations
 

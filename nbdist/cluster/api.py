@@ -34,10 +34,11 @@ class Status:
     """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
     and in a terminal (text).
 
-    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "mpi4py" on CPU engines (nbdist's torch.distributed over MPI; "gloo" when asked for),
-    "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors through NCCL, CPU tensors through gloo). A friendlier name
-    would be one more thing to translate. GPU memory is what NVML says the process holds (context, NCCL buffers,
-    torch's cache); where NVML cannot see the process, torch's cache only, and the cell says so.
+    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "mpi4py" on CPU engines
+    (nbdist's torch.distributed over MPI; "gloo" when asked for), "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors
+    through NCCL, CPU tensors through gloo). A friendlier name would be one more thing to translate. GPU memory is what
+    NVML says the process holds (context, NCCL buffers, torch's cache); where NVML cannot see the process, torch's cache
+    only, and the cell says so.
     """
 
     rows: list[dict]
@@ -389,8 +390,8 @@ def parse_rank_spec(spec: str, world_size: int) -> list[int]:
 def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Cluster:
     """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
 
-    Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds), mpi_args, collective_timeout.
-    A running cluster is kept (a note says so) unless `restart=True`.
+    Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds),
+    mpi_args, collective_timeout. A running cluster is kept (a note says so) unless `restart=True`.
     """
     global _current
     if "mpi_args" in options:

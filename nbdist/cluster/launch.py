@@ -10,8 +10,8 @@ waits politely. On one notebook's cluster those waits are most of the start-up t
 - run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
 - stop by signalling the process groups of mpiexec and the controller at once.
 
-Every process we start carries a lifeline (see cluster/lifeline.py) to the notebook kernel: the controller and engines on
-the kernel's host watch its pid; engines on other hosts hold a connection to the cluster's lifeline server
+Every process we start carries a lifeline (see cluster/lifeline.py) to the notebook kernel: the controller and engines
+on the kernel's host watch its pid; engines on other hosts hold a connection to the cluster's lifeline server
 (cluster/lifeline_server.py), which runs from just before the engines start until they are stopped.
 
 Each cluster runs in its own IPython profile directory, removed at stop (cluster/files.py).

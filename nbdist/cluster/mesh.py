@@ -12,8 +12,8 @@ and pipeline stages are furthest apart (they exchange the least). Dimensions of 
 with trivial tensor-parallel groups, which later features can rely on.
 
 `Mesh` is plain data (no torch.distributed, no processes): the kernel draws and checks it, the engines build their
-process groups and MPI sub-communicators from the same object (nbdist/cluster/ranks/rank_mesh.py), so both sides agree on
-every coordinate. `nbdist.mesh(...)` (Cluster.mesh) asks the running cluster to build it, once per shape.
+process groups and MPI sub-communicators from the same object (nbdist/cluster/ranks/rank_mesh.py), so both sides agree
+on every coordinate. `nbdist.mesh(...)` (Cluster.mesh) asks the running cluster to build it, once per shape.
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ of iterations to rise above the clock and the loop's own cost); every rank uses 
 max-reduction), since a collective must be called equally often everywhere.
 
 This module is the notebook's side: it validates the request (before any collective starts), sends the timed loops
-of nbdist/collectives/ranks/collective_timing.py to the ranks and makes rows of their reports. The ops and their buffers are
-plain data (nbdist/collectives/ops.py), read on both sides.
+of nbdist/collectives/ranks/collective_timing.py to the ranks and makes rows of their reports. The ops and their buffers
+are plain data (nbdist/collectives/ops.py), read on both sides.
 """
 from __future__ import annotations
 

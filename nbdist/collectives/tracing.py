@@ -5,8 +5,8 @@ compares it with `dist.all_reduce`, and merges every rank's record into one list
     t                       # <ring all-reduce on 4 ranks, 1024 floats: 6 steps, matches dist.all_reduce (...)>
     t.figure()              # one frame per step, a slider (nbdist.viz.collective_steps)
 
-The algorithms themselves run on the engines (nbdist/collectives/ranks/allreduce.py); this module only sends them and reads
-what comes back. Whether the result matches the library is measured, not assumed: `max_diff` is the largest
+The algorithms themselves run on the engines (nbdist/collectives/ranks/allreduce.py); this module only sends them and
+reads what comes back. Whether the result matches the library is measured, not assumed: `max_diff` is the largest
 |ours - dist.all_reduce| over ranks and elements, and `matches_library` compares it with a tolerance that scales
 with the sum (the library adds in another order, so the last bits may differ). A trace that differs is still
 returned, so that its steps can be looked at; its repr and its figure's title say DIFFERS.

@@ -26,8 +26,8 @@ Exchanges count once: a rank that sends S and receives S in the same step pays S
 Names: "ring", "tree", "recursive-doubling" (the names `trace` takes); `canonical` also accepts
 "recursive_doubling", the spelling of `AlphaBeta.recursive_doubling`. This is the one place that knows the alias.
 
-Plain data, imported on both sides: the engines' algorithms (nbdist/collectives/ranks/allreduce.py) read which phases add,
-the notebook's model, trace and figures read the rest.
+Plain data, imported on both sides: the engines' algorithms (nbdist/collectives/ranks/allreduce.py) read which phases
+add, the notebook's model, trace and figures read the rest.
 """
 from __future__ import annotations
 

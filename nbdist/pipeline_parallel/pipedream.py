@@ -3,9 +3,10 @@
 PipeDream (arXiv 1806.03377) does not wait for a flush to update weights: each stage updates its weights right
 after every micro-batch's backward (SGD, step `lr`). (nbdist runs one step's order to its end, so its steps still
 fill and drain like 1F1B; only the update timing is PipeDream's.) So micro-batches that are in flight saw *older*
-weights at their forward: that is the staleness. To keep each backward consistent with its forward, the stage stashes the weight version the
-forward used and differentiates with it ("weight stashing"). A stage's weights therefore depend only on the order
-of its own forwards and backwards, which the schedule fixes; this function replays that order, stage by stage.
+weights at their forward: that is the staleness. To keep each backward consistent with its forward, the stage stashes
+the weight version the forward used and differentiates with it ("weight stashing"). A stage's weights therefore depend
+only on the order of its own forwards and backwards, which the schedule fixes; this function replays that order, stage
+by stage.
 """
 from __future__ import annotations
 

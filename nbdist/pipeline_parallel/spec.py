@@ -2,8 +2,8 @@
 
 Plain data (the model travels as the user's builder function, cloudpickled, or as the stage modules themselves):
 the kernel makes one StageSpec per rank of the mesh (nbdist/pipeline_parallel/api.py) and the rank builds its
-executor from it (nbdist/pipeline_parallel/ranks/pipeline.py). Everything the executor reads about its place in the world is here,
-named, instead of spread over positional arguments and attributes set after construction.
+executor from it (nbdist/pipeline_parallel/ranks/pipeline.py). Everything the executor reads about its place in the
+world is here, named, instead of spread over positional arguments and attributes set after construction.
 """
 from __future__ import annotations
 

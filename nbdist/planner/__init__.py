@@ -7,11 +7,12 @@
     p.step_seconds, p.tflops_per_gpu, p.mfu, p.tokens_per_second, p.memory_per_gpu, p.fits, p.breakdown
     planner.search(model, hw, gpus=1536, global_batch=2304)     # the plans that fit, best first
 
-Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs, activation bytes), layout.py (a plan's
-shape, checked; which links its groups span), memory.py (bytes per GPU), pipeline.py (nbdist's schedule simulator
-for the bubble), step.py (every term of the step's time), prediction.py (predict, Prediction), frontier.py (search,
-the frontier), published.py (published runs the planner is checked against), local.py ("local": this machine's
-CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the engines.
+Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs, activation
+bytes), layout.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU), pipeline.py
+(nbdist's schedule simulator for the bubble), step.py (every term of the step's time), prediction.py (predict,
+Prediction), frontier.py (search, the frontier), published.py (published runs the planner is checked against), local.py
+("local": this machine's CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on
+the engines.
 """
 from nbdist.cost.hardware import PROFILES, Hardware, Link
 from nbdist.planner.catalog import hardware

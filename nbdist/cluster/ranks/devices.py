@@ -13,7 +13,8 @@ The rules:
   there is refused in one line naming the host and both counts (no `local_rank % device_count` wrap, which would
   put two ranks on one GPU and fail later, inside a user's first collective).
 - A GPU engine's process group is "cpu:gloo,cuda:nccl" (torch's device-map form): CUDA tensors go through NCCL
-  and CPU tensors through gloo, so `dist.all_reduce(torch.ones(2))` still works there. CPU engines use "mpi4py" (or "gloo" by name).
+  and CPU tensors through gloo, so `dist.all_reduce(torch.ones(2))` still works there. CPU engines use "mpi4py" (or
+  "gloo" by name).
 - Every rank uses the same backend: a world where some hosts have GPUs and others none is refused.
 
 Code that compares backend names must not compare `dist.get_backend()` with "nccl" or "gloo": on GPU engines it

@@ -6,8 +6,8 @@ torch side is a `DeviceMesh` (what DTensor, FSDP2 and tensor parallelism take); 
 per dimension whose rank order is the dimension's coordinate, for nbdist's own MPI transports and hooks. Both come
 from the same `nbdist.mesh.Mesh`, so they agree on who is who.
 
-In a %%dist cell (or a function run on the ranks): `me = nbdist.cluster.ranks.rank_mesh.here(m)` (m: the notebook's Mesh,
-or its name); then `me.coords`, `me.group("dp")`, `me.comm("pp")`, `me.ranks("dp")`.
+In a %%dist cell (or a function run on the ranks): `me = nbdist.cluster.ranks.rank_mesh.here(m)` (m: the notebook's
+Mesh, or its name); then `me.coords`, `me.group("dp")`, `me.comm("pp")`, `me.ranks("dp")`.
 """
 from __future__ import annotations
 

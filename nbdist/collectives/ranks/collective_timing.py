@@ -4,7 +4,8 @@
 The notebook side (nbdist/collectives/sweep.py) validates the request, sends `measure` to every rank and turns
 the per-rank reports into rows; the conventions (nccl-tests' sizes, times and bandwidths) are described there.
 Every rank makes the same calls in the same order, whatever its data: a collective called on some ranks only would
-wait forever. The groups of the first ranks are made once and kept in the engine registry (nbdist/cluster/ranks/groups.py).
+wait forever. The groups of the first ranks are made once and kept in the engine registry
+(nbdist/cluster/ranks/groups.py).
 """
 from __future__ import annotations
 

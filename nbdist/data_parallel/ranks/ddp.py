@@ -11,7 +11,8 @@ all-reduce stays (hook "torch": torch.distributed's all-reduce, nccl for CUDA gr
     from nbdist.data_parallel.ranks.ddp import ddp
     model = ddp(MyModel())                      # hook="auto": MPI on CPU engines
     model = ddp(MyModel(), hook="topk", ratio=0.01, bucket_cap_mb=10)
-    model = ddp(MyModel(), process_group=nbdist.cluster.ranks.rank_mesh.here(m).group("dp"))   # one replica group of a mesh
+    # one replica group of a mesh:
+    model = ddp(MyModel(), process_group=nbdist.cluster.ranks.rank_mesh.here(m).group("dp"))
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def _ddp_parameters() -> set[str]:
 
 def ddp(model: nn.Module, hook: str = "auto", **options: Any) -> DistributedDataParallel:
     """Wrap `model` (already on this rank's device) in DistributedDataParallel and register communication hook
-    `hook` (see nbdist.data_parallel.ranks.hooks.register_hook for the names). Options that DistributedDataParallel takes
-    (bucket_cap_mb, find_unused_parameters, ...) go to it; the rest (ratio, rank, ...) go to the hook.
+    `hook` (see nbdist.data_parallel.ranks.hooks.register_hook for the names). Options that DistributedDataParallel
+    takes (bucket_cap_mb, find_unused_parameters, ...) go to it; the rest (ratio, rank, ...) go to the hook.
 
     One DDP default differs: gradient_as_bucket_view=True (pass False to undo). The gradients then live in DDP's
     buckets instead of being copied in before and out after the all-reduce: on CPU those copies are a visible part

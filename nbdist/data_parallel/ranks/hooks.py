@@ -400,8 +400,9 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
     benchmarks/bench_mpi_backend_training.py measured it at 1.02x the MPI hook's samples/s, so the hook is not
     measurably faster there); "mpi" on CPU over a gloo process group when MPI's world is torch's (always so on
     nbdist's engines; the MPI hooks talk on a communicator of the group's ranks); else "torch".
-    Why "auto" is MPI on CPU over gloo, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine, MLPs of
-    L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two runs):
+    Why "auto" is MPI on CPU over gloo, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine,
+    MLPs of L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two
+    runs):
 
         model                      MPI hook (samples/s)   DDP default, gloo (samples/s)   ratio
         512x4   (1.05 M params)    8700-9600              5600-5700                       1.55-1.69

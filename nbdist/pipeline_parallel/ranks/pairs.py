@@ -8,12 +8,12 @@ looped placement of interleaved schedules) gets its own group, so each stream ca
 order; `nbdist.schedules.check_nccl` proves, schedule by schedule, that this order matches on both sides.
 
 Each pipeline has its own pair groups (two pipelines on one mesh would otherwise take each other's messages in
-FIFO order), made when it is built. Making groups is collective over the whole world, and NCCL creates a pair's communicator on its first message,
-blocking both ranks until the other arrives: set up lazily inside a step, two ranks that each post a receive first
-wait for each other. So `build` makes every group in one global order and sends one small message through each,
-in that same order, before any step runs: the two ranks of the lowest pair not yet connected have connected all
-their earlier pairs, so they always meet. gloo (CPU) takes the same path, with the same FIFO rule (tag 0), so CPU
-tests exercise what NCCL will do.
+FIFO order), made when it is built. Making groups is collective over the whole world, and NCCL creates a pair's
+communicator on its first message, blocking both ranks until the other arrives: set up lazily inside a step, two ranks
+that each post a receive first wait for each other. So `build` makes every group in one global order and sends one small
+message through each, in that same order, before any step runs: the two ranks of the lowest pair not yet connected have
+connected all their earlier pairs, so they always meet. gloo (CPU) takes the same path, with the same FIFO rule (tag 0),
+so CPU tests exercise what NCCL will do.
 """
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ of the world: with data parallelism several pipelines run side by side, each on 
   tensor's own memory is sent (no copy). Tags keep messages apart, so receives can be posted early, in any order,
   and an abandoned step's receives are cancelled.
 - torch.distributed for GPU tensors (nccl) or when asked (gloo): one process group per direction between two
-  neighbours (pipeline_parallel/ranks/pairs.py), messages matched first-in first-out as NCCL does (tags are not sent, also on gloo,
-  so CPU runs obey the rule GPUs impose). The order is safe when `nbdist.schedules.check_nccl` passes, which the
-  pipeline checks before it builds; an abandoned step's receives cannot be cancelled, so the notebook renews the
-  pipeline's pair groups before the next step (pairs.connect).
+  neighbours (pipeline_parallel/ranks/pairs.py), messages matched first-in first-out as NCCL does (tags are not sent,
+  also on gloo, so CPU runs obey the rule GPUs impose). The order is safe when `nbdist.schedules.check_nccl` passes,
+  which the pipeline checks before it builds; an abandoned step's receives cannot be cancelled, so the notebook renews
+  the pipeline's pair groups before the next step (pairs.connect).
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ class _MpiRequest:
     def wait(self) -> None:
         """Poll rather than block in MPI_Wait, so that an interrupt (a failed peer, the kernel's stop button)
         stops this rank between polls instead of leaving it stuck: the mpi4py backend's poll loop (spin, then yield
-        the core, then nap; backend/ranks/waiting.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB message
-        (MPICH's rendezvous, which needs both sides polling) then took 103 us one time in two instead of 14."""
+        the core, then nap; backend/ranks/waiting.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB
+        message (MPICH's rendezvous, which needs both sides polling) then took 103 us one time in two instead of 14."""
         poll([self.request], math.inf)
 
     def cancel(self) -> None:

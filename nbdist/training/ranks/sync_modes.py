@@ -11,8 +11,9 @@ batch, computes its gradients and then does what the strategy says about the oth
   reference: average when step >= warmup and (step - warmup) % period == 0.
 - "easgd": elastic averaging SGD (Zhang, Choromanska & LeCun 2015), synchronous: every `tau` steps each worker is
   pulled toward a center variable by alpha times their difference, and the center moves by the sum of those pulls.
-- "ssp": stale-synchronous parallel (Ho et al. 2013), decentralised (nbdist/training/ranks/sync_ssp.py): no all-reduce at
-  all; each replica sends its updates to the others and may run up to `staleness` clocks ahead of the slowest.
+- "ssp": stale-synchronous parallel (Ho et al. 2013), decentralised (nbdist/training/ranks/sync_ssp.py): no
+  all-reduce at all; each replica sends its updates to the others and may run up to `staleness` clocks ahead of the
+  slowest.
 
 What they share (a private communicator, waits an interrupt can free, the time accounting) is in
 nbdist/training/ranks/sync_base.py.
