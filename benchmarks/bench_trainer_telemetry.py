@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from common import Measure, Run
 from workloads import Gpt, adam
@@ -43,7 +44,7 @@ def main() -> int:
         trainer.fit(steps=3)
 
         def step_seconds(live) -> float:
-            trainer.live = live
+            trainer.telemetry = replace(trainer.telemetry, live=live)
             started = time.perf_counter()
             trainer.fit(steps=args.steps)
             return (time.perf_counter() - started) / args.steps

@@ -71,8 +71,6 @@ class Plan:
             raise DistUsageError(f"model_fn must be a function that builds the model, got {type(model_fn).__name__}")
         self.cluster, self.model_fn = cluster, model_fn
         self.layout = Layout(dp, pp, tp, zero, schedule, microbatches, chunks, balance)
-        self.dp, self.pp, self.tp, self.zero = dp, pp, tp, zero
-        self.microbatches, self.chunks, self.balance = microbatches, chunks, balance
         self.optimizer_kind, self.hook, self.bucket_cap_mb = optimizer, hook, bucket_cap_mb
         if dp * pp * tp != cluster.world_size:
             raise DistUsageError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp}, but the cluster has "
@@ -86,6 +84,15 @@ class Plan:
                             batch=self.batch, boundaries=self.boundaries)
         self.layers = profile_layers(self.model, sample_input(self.model), tp)
         self.overheads: Overheads | None = None  # measured by profile()
+
+    # the layout's choices, read where the plan is used (plan.dp, ...); the built schedule is the plan's own
+    dp = property(lambda self: self.layout.dp)
+    pp = property(lambda self: self.layout.pp)
+    tp = property(lambda self: self.layout.tp)
+    zero = property(lambda self: self.layout.zero)
+    microbatches = property(lambda self: self.layout.microbatches)
+    chunks = property(lambda self: self.layout.chunks)
+    balance = property(lambda self: self.layout.balance)
 
     def _refuse_unsupported(self) -> None:
         if self.zero and self.dp == 1:

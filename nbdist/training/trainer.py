@@ -80,8 +80,8 @@ class Trainer:
         _check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
         d, o, c = self.data, self.optimization, self.checkpointing
         _check(d, o, c)
-        self.checkpoint_dir = os.path.abspath(c.dir) if c.dir else None
-        self.live, self.tensorboard, self.trace = self.telemetry.live, self.telemetry.tensorboard, self.telemetry.trace
+        if c.dir:
+            c = self.checkpointing = replace(c, dir=os.path.abspath(c.dir))
         self.id = f"train{next(_numbers)}"
         self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
@@ -105,10 +105,10 @@ class Trainer:
                 replicas=self.replicas, data_fn=portable(data_fn), loss=portable(loss_fn),
                 data=replace(d, eval_data_fn=portable(d.eval_data_fn)),
                 optimization=replace(o, lr_schedule=portable(o.lr_schedule)),
-                checkpointing=replace(c, dir=self.checkpoint_dir), straggler=self.telemetry.straggler,
+                checkpointing=c, straggler=self.telemetry.straggler,
                 whole_replicas=whole, pipeline=pipeline)
-            if self.checkpoint_dir:
-                os.makedirs(self.checkpoint_dir, exist_ok=True)
+            if c.dir:
+                os.makedirs(c.dir, exist_ok=True)
             infos = self.cluster.run(on_ranks.setup, self.spec)
         except BaseException:
             self._close_model()  # the plan's model was built on the ranks: free it with the failed trainer
@@ -172,7 +172,8 @@ class Trainer:
         steps = self._steps(steps, epochs)
         from nbdist.training.dashboard import Dashboard
 
-        view = Dashboard.open(self, steps, always=self.live == "always") if self.live else None
+        live = self.telemetry.live
+        view = Dashboard.open(self, steps, always=live == "always") if live else None
         if not wait:
             return TrainingRun(self, steps, view)
         return self._train(steps, view)
@@ -217,17 +218,18 @@ class Trainer:
         return max(1, math.ceil(epochs * self.dataset_length / self.data.batch_size))
 
     def _export(self) -> None:
-        if self.tensorboard:
-            self.history.to_tensorboard(self.tensorboard)
-        if self.trace:
-            self.history.to_chrome_trace(self.trace)
+        t = self.telemetry
+        if t.tensorboard:
+            self.history.to_tensorboard(t.tensorboard)
+        if t.trace:
+            self.history.to_chrome_trace(t.trace)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def save(self, directory: str | None = None, asynchronous: bool = False) -> str:
         """Write a checkpoint of this step now (into `directory` or the checkpoint_dir); returns its folder once
         it is complete (`asynchronous`: written by DCP's async_save, as the periodic ones with async_checkpoint)."""
-        directory = os.path.abspath(directory) if directory else self.checkpoint_dir
+        directory = os.path.abspath(directory) if directory else self.checkpointing.dir
         if directory is None:
             raise DistUsageError("save() needs a folder: give save(directory) or Trainer(checkpoint_dir=...)")
         os.makedirs(directory, exist_ok=True)
@@ -236,7 +238,7 @@ class Trainer:
     def resume(self, path: str | None = None) -> "Trainer":
         """Load a checkpoint (a step_* folder, or a checkpoint folder: its newest complete checkpoint) into this
         trainer's model and optimizer, on any engine count or plan; training goes on from its step."""
-        path = checkpoints.find(path or self.checkpoint_dir)
+        path = checkpoints.find(path or self.checkpointing.dir)
         try:
             step = self.cluster.run(on_ranks.load, self.id, path)[0]
         except Exception as e:
