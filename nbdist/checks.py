@@ -42,3 +42,15 @@ def known_options(given, known, what: str) -> None:
     if unknown:
         takes = ", ".join(repr(k) for k in known) or "no options"
         raise DistUsageError(f"{what} takes {takes}; got {', '.join(repr(u) for u in unknown)}")
+
+
+def fits(needed: int, free: int, total: int, rank: int, device: str, what: str) -> None:
+    """Refuse, in one line with both figures, what needs more bytes than are free where it would go (rank `rank`'s
+    `device`): said before anything is allocated, rather than as an out-of-memory error in the middle of a step."""
+    from nbdist.units import format_bytes
+
+    if needed > free:
+        raise DistUsageError(
+            f"rank {rank} ({device}): {what} needs {format_bytes(needed)} but {format_bytes(free)} of "
+            f"{format_bytes(total)} is free there; use more engines, a higher ZeRO stage, tensor or pipeline "
+            f"parallelism, or a smaller batch")

@@ -58,11 +58,12 @@ def skip_without_cuda() -> None:
         pytest.skip(reason)
 
 
-def start_cluster(kind: str) -> nbdist.Cluster:
-    """A one-engine cluster: on cuda:0 with nccl (skipped where CUDA is absent), or a CPU engine (mpi4py)."""
+def start_cluster(kind: str, n: int = 1) -> nbdist.Cluster:
+    """An `n`-engine cluster (one by default): on GPUs with nccl (skipped where CUDA is absent), or CPU engines
+    (mpi4py)."""
     if kind == "cuda":
         skip_without_cuda()
-    return nbdist.Cluster(ClusterOptions(n=1, cpu=kind == "cpu", timeout=START_TIMEOUT)).start()
+    return nbdist.Cluster(ClusterOptions(n=n, cpu=kind == "cpu", timeout=START_TIMEOUT)).start()
 
 
 def start_engine(kind: str) -> Engine:

@@ -19,7 +19,8 @@ from nbdist.errors import DistUsageError
 from nbdist.schedules.generators import build
 from nbdist.cost.memory import fp32_zero_bytes, zero_paper_bytes
 from nbdist.sharding.memory import predict_memory, zero1_shares
-from nbdist.sharding.profile import profile_layers, time_layers, with_times
+from nbdist.sharding.profile import profile_layers, with_times
+from nbdist.sharding.ranks.timing import time_layers
 from nbdist.sharding.shape import check_shape
 from nbdist.sharding.step_time import predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_pairs, tp_plan
@@ -342,7 +343,7 @@ def test_tensor_parallel_halves_the_split_compute_and_adds_two_all_reduces_per_p
 
 def test_time_layers_measures_every_layer_and_leaves_the_model_alone():
     model = mlp()
-    times = time_layers(model, torch.randn(16, IN), repeats=3)
+    times = time_layers(model, torch.randn(16, IN), repeats=3, device=torch.device("cpu"))
     assert len(times) == len(model) and all(f > 0 and b >= 0 for f, b in times)
     assert all(p.grad is None for p in model.parameters())
 

@@ -27,7 +27,7 @@ from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
 from nbdist.sharding.memory import RankMemory, predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input, with_times
-from nbdist.sharding.ranks import sharded as on_ranks
+from nbdist.sharding.ranks import timing
 from nbdist.sharding.shape import check_shape, micro_batch_size
 from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
@@ -73,8 +73,9 @@ class Plan:
         self.layout = Layout(dp, pp, tp, zero, schedule, microbatches, chunks, balance)
         self.optimizer_kind, self.hook, self.bucket_cap_mb = optimizer, hook, bucket_cap_mb
         if dp * pp * tp != cluster.world_size:
+            gpus = " (one GPU each)" if all(d.startswith("cuda") for d in cluster.devices) else ""
             raise DistUsageError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp}, but the cluster has "
-                                 f"{cluster.world_size} ranks: the product must be the world size")
+                                 f"{cluster.world_size} ranks{gpus}: the product must be the world size")
         self.schedule = self._schedule(schedule)
         self._refuse_unsupported()
         self.model = _build(model_fn)
@@ -95,9 +96,6 @@ class Plan:
     balance = property(lambda self: self.layout.balance)
 
     def _refuse_unsupported(self) -> None:
-        if self.zero and self.dp == 1:
-            raise DistUsageError(f"zero={self.zero} shards over the data-parallel replicas, and dp=1 has none: "
-                                 f"use dp > 1 or zero=0")
         if self.zero and self.pp > 1:
             raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported yet: ZeRO runs on dp "
                                  f"(x tp) plans; pipelines average whole gradients over dp (zero=0)")
@@ -138,7 +136,7 @@ class Plan:
         """Time every layer's forward and backward on rank 0 (the engines' device and threads, not the kernel's),
         at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
-        times = self.cluster.run(on_ranks.time_layers, portable(self.model_fn), size, repeats, ranks=[0])[0]
+        times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
         self.overheads = self._measure_overheads()
         return self
@@ -147,7 +145,7 @@ class Plan:
         """The libraries' own costs on these engines (DTensor per split Linear, FSDP2 per unit, the optimizer per
         parameter), measured with every rank busy as in a step; the slowest rank's figures."""
         mesh = self.cluster.mesh(dp=self.cluster.world_size // self.tp, tp=self.tp)
-        costs = self.cluster.run(on_ranks.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind)
+        costs = self.cluster.run(timing.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind)
         return Overheads(
             tp_linear=tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1)),
             fsdp_unit=tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1)),
@@ -267,7 +265,9 @@ class Plan:
 
     def apply(self, optimizer_fn: Callable | None = None):
         """Build the plan on the cluster: a Sharded model (pp = 1) or a Pipeline (pp > 1), both with
-        step(inputs, targets, loss_fn) -> loss, state_dict(), grads() and a measured timeline."""
+        step(inputs, targets, loss_fn) -> loss, state_dict(), grads() and a measured timeline. A plan whose
+        predicted memory exceeds what a rank's device has free is refused first (check_fits)."""
+        self.check_fits()
         if self.pp > 1:
             from nbdist.pipeline_parallel.api import pipeline
 
@@ -280,6 +280,24 @@ class Plan:
         from nbdist.sharding.sharded import Sharded
 
         return Sharded(self, optimizer_fn)
+
+    def check_fits(self) -> None:
+        """Refuse, before anything is allocated, a plan whose predicted bytes on some rank (model states and the
+        activations of the plan's batch) exceed what that rank's device has free: its GPU's free memory, or on
+        CPU engines the host's available memory shared by the engines there. One line, both figures."""
+        from collections import Counter
+
+        from nbdist.checks import fits
+        from nbdist.cluster.ranks.placement import memory_report
+
+        engines_on = Counter(self.cluster.hosts)
+        predicted = self.predicted_memory()
+        for report in self.cluster.run(memory_report):
+            share = 1 if report["device"].startswith("cuda") else engines_on[self.cluster.hosts[report["rank"]]]
+            need = predicted[self.layout.coords(report["rank"])["pp"]].total
+            fits(int(need), report["free"] // share, report["total"] // share, report["rank"], report["device"],
+                 f"this plan (predicted: {self.optimizer_kind} model states and the activations of a global batch "
+                 f"of {self.batch})")
 
     def _tp_plans(self) -> dict[int, dict[str, str]] | None:
         """Per stage, the tensor-parallel plan of that stage's module (names local to the stage)."""

@@ -1,7 +1,7 @@
 """A model's profile, made in the notebook kernel before any rank builds anything: per top-level layer of the
 nn.Sequential, its parameters (and which of them tensor parallelism divides), the bytes autograd saves for backward
 per sample, and the tensor-parallel all-reduces it would make (`profile_layers`: one small real forward on CPU).
-`time_layers` (run on an engine by the plan) adds forward and backward seconds per sample (`with_times`).
+`time_layers` (sharding/ranks/timing.py, run on an engine by the plan) adds forward and backward seconds per sample (`with_times`).
 
 The memory and step-time predictions (sharding/memory.py, sharding/step_time.py) read only this profile.
 Plain data: imports torch and torch.nn, never torch.distributed, so both the kernel and the engines can read it.
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
-from typing import Sequence
 
 import torch
 from torch import nn
 
-from nbdist.checks import whole_number
 from nbdist.errors import DistUsageError
 from nbdist.tensor_parallel.pairs import check_tp, tp_pairs, tp_plan
 
@@ -71,7 +68,7 @@ class LayerProfile:
     input_split_bytes_per_sample: float
     output_bytes_per_sample: float
     tp_allreduce_bytes_per_sample: tuple[tuple[float, float], ...] = ()
-    forward_s: float | None = None  # per sample, None until timed (time_layers, with_times)
+    forward_s: float | None = None  # per sample, None until timed (ranks/timing.time_layers, with_times)
     backward_s: float | None = None
 
     def saved_bytes(self, tp: int = 1) -> float:
@@ -96,7 +93,7 @@ def profile_layers(model: nn.Sequential, sample_input: torch.Tensor, tp: int = 1
     """
     if tp > 1:
         check_tp(model, tp)
-    model, x = _runnable(model, sample_input)
+    model, x = runnable(model, sample_input)
     batch = x.shape[0]
     whole = _saved_bytes(model, x)
     t = tp if tp > 1 else _smallest_split(model)
@@ -120,7 +117,7 @@ def profile_layers(model: nn.Sequential, sample_input: torch.Tensor, tp: int = 1
     return profiles
 
 
-def _runnable(model: nn.Sequential, x: torch.Tensor) -> tuple[nn.Sequential, torch.Tensor]:
+def runnable(model: nn.Sequential, x: torch.Tensor) -> tuple[nn.Sequential, torch.Tensor]:
     """The model and input in real memory: a meta model is copied to real (uninitialised) storage; sizes are all
     the profile reads from it."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
@@ -237,40 +234,6 @@ def sample_input(model: nn.Sequential, size: int = 1) -> torch.Tensor:
     if first is None:
         raise DistUsageError("cannot tell the model's input: it is neither nbdist.models.gpt nor starts with a Linear")
     return torch.randn(size, first.in_features, generator=generator)
-
-
-def time_layers(model: nn.Sequential, sample_batch: torch.Tensor, repeats: int = 5) -> list[tuple[float, float]]:
-    """(forward, backward) seconds per sample of each top-level layer, run alone in this process (an engine's, to
-    time its device): the median of `repeats` runs after one warm-up, divided by the batch. A copy is timed, so the
-    model's gradients are left as they were."""
-    whole_number(repeats, "repeats")
-    model, x = _runnable(copy.deepcopy(model), sample_batch)
-    inputs = []
-    with torch.no_grad():
-        for layer in model:
-            inputs.append(x)
-            x = layer(x)
-    return [_time_layer(layer, inp, repeats, sample_batch.shape[0]) for layer, inp in zip(model, inputs)]
-
-
-def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> tuple[float, float]:
-    # a GPU only queues kernels: wait for them before reading the clock (only ever on an engine's GPU tensors)
-    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    forward, backward = [], []
-    for _ in range(repeats + 1):  # the first run warms up the allocator and autograd
-        x_in = x.detach().requires_grad_(x.is_floating_point())
-        wait()
-        start = time.perf_counter()
-        y = layer(x_in)
-        wait()
-        middle = time.perf_counter()
-        if y.requires_grad:
-            y.backward(torch.ones_like(y))
-        wait()
-        end = time.perf_counter()
-        forward.append(middle - start)
-        backward.append(end - middle)
-    return statistics.median(forward[1:]) / batch, statistics.median(backward[1:]) / batch
 
 
 def with_times(layers: Sequence[LayerProfile], times: Sequence[tuple[float, float]]) -> list[LayerProfile]:

@@ -256,6 +256,11 @@ class Trainer:
         self.cluster.run(on_ranks.finish, self.id)
         return next(t for t in self.cluster.run(on_ranks.tensors, self.id) if t is not None)
 
+    def tensor_devices(self) -> dict[int, list[str]]:
+        """Per rank, the devices its model and optimizer state lie on: `[cluster.devices[rank]]` where every
+        tensor is on the engine's own device (its GPU, or the CPU), which is what `%dist_status` shows."""
+        return dict(enumerate(self.cluster.run(on_ranks.tensor_devices, self.id)))
+
     def close(self) -> None:
         """Free what the trainer holds on the ranks (model, optimizer, data set)."""
         if self.cluster.running:

@@ -10,12 +10,11 @@ collective over every rank: DTensor shards are gathered), `close` frees it all.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from torch import nn
 
-from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.cluster.ranks import placement, rank_mesh, registry
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.data_parallel.ranks import data_parallel
 from nbdist.models.gathered import whole
@@ -32,7 +31,7 @@ class ShardedModel:
     def __init__(self, spec):
         self.spec = spec
         self.me = rank_mesh.here(spec.mesh)
-        model = restore(spec.model)()
+        model = placement.place(restore(spec.model)())  # built on CPU by the user's function: moved once, here
         layout = spec.layout
         if layout.tp > 1:
             tensor_parallel.apply(model, self.me.device_mesh["tp"], spec.tp_plan)
@@ -43,12 +42,14 @@ class ShardedModel:
         self.optimizer = None if make is None else zero.optimizer(
             self.model.parameters(), make, layout.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(layout.dp, layout.tp, layout.zero)
-        self.last_gradient_at = 0.0  # when backward last accumulated a parameter's gradient (see exposed_comm_s)
+        self.watch: placement.Stopwatch | None = None  # the running step's clock (CUDA events on a GPU)
+        self.last_gradient = None  # a mark of when backward last accumulated a parameter's gradient
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._gradient_done)
 
     def _gradient_done(self, _param) -> None:
-        self.last_gradient_at = time.perf_counter()
+        if self.watch is not None:
+            self.last_gradient = self.watch.mark()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, memory: bool = False, autocast=None,
              scale=None, apply=None) -> dict:
@@ -58,37 +59,56 @@ class ShardedModel:
         The Trainer's seams: `autocast` (a context) around each forward, `scale(loss)` before backward (fp16 loss
         scaling), `apply(optimizer)` instead of `optimizer.step()` (clipping, the scaler's step)."""
         m = self.spec.layout.microbatches
+        inputs, targets = placement.to_here(inputs, targets)  # from the notebook, on CPU; the Trainer's are here
         self.model.zero_grad(set_to_none=True)
         meter = ActivationMeter() if memory else None
-        spans, losses = [], []
+        marks, losses = [], []
         gathered = _GatheredParams(self.model) if memory else None
-        started = time.perf_counter()
+        watch = self.watch = placement.Stopwatch()
+        self.last_gradient = None
+        started = watch.mark()
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
             with data_parallel.sync_on(self.model, last=i == m - 1):
-                t0 = time.perf_counter()
+                t0 = watch.mark()
                 with meter if meter is not None else contextlib.nullcontext():
-                    with autocast if autocast is not None else contextlib.nullcontext():
-                        loss = loss_fn(self.model(x), y)
-                    t1 = time.perf_counter()
-                    (loss / m if scale is None else scale(loss / m)).backward()
-                t2 = time.perf_counter()
-            spans += [(f"0F{i}", t0, t1), (f"0B{i}", t1, t2)]
+                    with self._phase(f"the forward of micro-batch {i}"):
+                        with autocast if autocast is not None else contextlib.nullcontext():
+                            loss = loss_fn(self.model(x), y)
+                    t1 = watch.mark()
+                    with self._phase(f"the backward of micro-batch {i}"):
+                        (loss / m if scale is None else scale(loss / m)).backward()
+                t2 = watch.mark()
+            marks += [(f"0F{i}", t0, t1), (f"0B{i}", t1, t2)]
             losses.append(loss.detach())
-        exposed = max(0.0, t2 - self.last_gradient_at) if self.last_gradient_at >= t1 else 0.0
+        backward_ended, last_gradient = t2, self.last_gradient
+        by_hand = None
         if self.by_hand:
-            t3 = time.perf_counter()
+            by_hand = watch.mark()
             data_parallel.average(self.model, self.me.group("dp"), self.spec.layout.dp)
-            exposed += time.perf_counter() - t3
+        averaged = watch.mark()
         if self.optimizer is not None:
-            self.optimizer.step() if apply is None else apply(self.optimizer)
-        ended = time.perf_counter()
-        report = {"loss": torch.stack(losses).float().mean().item(), "spans": spans, "started": started,
-                  "ended": ended, "coords": self.me.coords, "exposed_comm_s": exposed}
+            with self._phase("the optimizer step"):
+                self.optimizer.step() if apply is None else apply(self.optimizer)
+        ended = watch.mark()
+        watch.settle()
+        self.watch = None
+        at = watch.seconds
+        exposed = max(0.0, at(backward_ended) - at(last_gradient)) if last_gradient is not None else 0.0
+        if by_hand is not None:
+            exposed += at(averaged) - at(by_hand)
+        report = {"loss": torch.stack(losses).float().mean().item(),
+                  "spans": [(name, at(a), at(b)) for name, a, b in marks], "started": at(started),
+                  "ended": at(ended), "coords": self.me.coords, "exposed_comm_s": exposed}
         if memory:
             held = state_bytes(self.model, self.optimizer)
             held["params"] = max(held["params"], gathered.close())
             report["memory"] = {**held, "activations": meter.peak_bytes}
         return report
+
+    def _phase(self, phase: str):
+        """A part of the step in which a failed allocation is named (rank, phase, bytes) and the step's gradients
+        are dropped, so the engine keeps its memory and the next step can run."""
+        return placement.named_out_of_memory(phase, release=lambda: self.model.zero_grad(set_to_none=True))
 
     def tensors(self, grads: bool) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers (or gradients) under the unsplit model's keys, gathered from
@@ -106,15 +126,6 @@ class ShardedModel:
     def describe(self) -> str:
         s = self.spec.layout
         return f"dp={s.dp} tp={s.tp} zero={s.zero}; {self.me.describe()}"
-
-
-def time_layers(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, float]]:
-    """The model built from the user's function on this rank, each layer timed alone at `size` samples (what the
-    plan's step-time prediction starts from: the engines' own cores and threads, not the kernel's)."""
-    from nbdist.sharding.profile import sample_input, time_layers
-
-    model = restore(model_fn)()
-    return time_layers(model, sample_input(model, size), repeats)
 
 
 def setup(spec) -> str:
@@ -162,79 +173,3 @@ class _GatheredParams:
         for handle in self.handles:
             handle.remove()
         return self.peak
-
-
-def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9) -> dict:
-    """What the libraries cost beyond compute and bytes, on this rank while every rank of `mesh` (dims dp, tp)
-    runs the same (so the cores are as shared as in a real step): a small column-then-row Linear pair with and
-    without DTensor (tp > 1), with and without FSDP2 units (zero_stage >= 2), and the optimizer's step per parameter.
-    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}."""
-    import copy
-    import statistics
-
-    import torch.distributed as dist
-
-    me = rank_mesh.here(mesh)
-    width, rows = 64, 16
-    x = torch.randn(rows, width)
-    plain = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
-
-    def forward_backward(model) -> tuple[float, float]:
-        forward, backward = [], []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            y = model(x)
-            t1 = time.perf_counter()
-            y.sum().backward()
-            t2 = time.perf_counter()
-            if i >= 2:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
-        return statistics.median(forward), statistics.median(backward)
-
-    base = forward_backward(plain)
-    costs = {"tp_linear": (0.0, 0.0), "fsdp_unit": (0.0, 0.0), "optimizer_per_dtensor": 0.0}
-    distributed = None  # the probe whose parameters are DTensors
-    if tp > 1:
-        distributed = tensor_parallel.apply(copy.deepcopy(plain), me.device_mesh["tp"],
-                                            {"0": "colwise", "2": "rowwise"})
-        f, b = forward_backward(distributed)
-        costs["tp_linear"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
-    if zero_stage >= 2:
-        distributed = zero.shard(copy.deepcopy(plain), me.device_mesh["dp"], zero_stage)
-        f, b = forward_backward(distributed)
-        costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
-    if distributed is not None:
-        extra = (_optimizer_step_seconds(list(distributed.parameters()), optimizer, repeats)
-                 - _optimizer_step_seconds(list(plain.parameters()), optimizer, repeats))
-        costs["optimizer_per_dtensor"] = max(0.0, extra) / len(list(plain.parameters()))
-    costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
-    return costs
-
-
-def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
-    """The median seconds of one optimizer step over `params` (gradients of ones). On DTensor parameters (FSDP2,
-    tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that costs about 0.1 ms
-    per tensor, more than the arithmetic of a small model (measured on a 4-block GPT: Adam 5 ms on plain tensors,
-    10-20 ms on FSDP2 shards of half the elements)."""
-    import statistics
-
-    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer = make(params, lr=0.1)
-    optimizer.step()
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        optimizer.step()
-        seconds.append(time.perf_counter() - t0)
-    for p in params:
-        p.grad = None
-    return statistics.median(seconds)
-
-
-def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
-    return _optimizer_step_seconds([nn.Parameter(torch.zeros(elements))], kind, repeats) / elements

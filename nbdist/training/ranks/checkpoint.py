@@ -162,7 +162,9 @@ def _load_replica(trainer, path: str) -> None:
     mine = os.path.join(path, f"rank{trainer.rank}.replica")
     if sync is None or not os.path.exists(mine):
         return
-    saved = torch.load(mine, weights_only=False)
+    from nbdist.cluster.ranks import placement
+
+    saved = torch.load(mine, weights_only=False, map_location=placement.here())  # saved by any engine's GPU
     trainer.runner.model.load_state_dict(saved["model"])
     trainer.runner.optimizer.load_state_dict(saved["optimizer"])
     sync.load_state(saved["sync"])
@@ -186,9 +188,12 @@ def _cause(error: BaseException) -> str:
 def _rng_state() -> dict:
     import numpy as np
 
+    from nbdist.cluster.ranks import placement
+
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    device = placement.here()
+    if device.type == "cuda":  # the rank's own GPU's generator (not the current device of whichever thread saves)
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
@@ -198,8 +203,11 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    from nbdist.cluster.ranks import placement
+
+    device = placement.here()
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _sync_folder(directory: str) -> None:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from nbdist.cluster.ranks import registry
+from nbdist.cluster.ranks import placement, registry
 from nbdist.models.gathered import unsplit_view
 from nbdist.wire import restore
 
@@ -90,7 +90,7 @@ class ReplicaRunner:
     def __init__(self, spec, me):
         from nbdist.training.ranks import sync_modes
 
-        self.model = restore(spec.whole_replicas.model_fn)()
+        self.model = placement.place(restore(spec.whole_replicas.model_fn)())  # moved once, before its optimizer
         self.optimizer = restore(spec.whole_replicas.optimizer)(self.model.parameters())
         options = spec.optimization
         self.sync = sync_modes.make(options.sync, self.model, self.optimizer, me.comm("dp"), dict(options.sync_options))

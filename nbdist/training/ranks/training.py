@@ -237,24 +237,31 @@ def _agreement_lag(runner) -> int:
     return sync.lag if sync is not None else 0
 
 
-def clip_gradients(params: list, max_norm: float, stages=None) -> float:
+def clip_gradients(params: list, max_norm: float, stages=None) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_
-    does on one process. Sharded gradients (DTensors: tensor parallel, FSDP2) count whole: their norm is taken of
-    the gathered tensor, so every rank computes the same total (a collective, in parameter order). `stages`: the
-    pipeline's MPI communicator, over which each stage's share of the squares is summed."""
-    from nbdist.models.gathered import whole
-
-    squares = torch.zeros((), dtype=torch.float64)
+    does on one process; returns the norm (a tensor on the gradients' device). Everything stays on the device: each
+    gradient's sum of squares is taken where it lies (a DTensor's of its shard, summed over its mesh by
+    `full_tensor`: tensor-parallel slices and FSDP2 shards count whole, a collective in parameter order, every rank
+    alike), and the scale is applied without asking the host whether to (a coefficient clamped at 1). Only a
+    pipeline moves one number to the host: `stages`, the pipeline's MPI communicator, sums each stage's squares."""
     grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    squares = torch.stack([_sum_of_squares(g) for g in grads]).sum()
+    if stages is not None:
+        squares = torch.tensor(_sum_over(stages, float(squares)), dtype=torch.float64, device=squares.device)
+    norm = squares.sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:
-        squares += whole(g).double().pow(2).sum()
-    total = float(squares) if stages is None else _sum_over(stages, float(squares))
-    norm = math.sqrt(total)
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
-        for g in grads:
-            g.mul_(coefficient)
+        local = getattr(g, "_local_tensor", g)  # a DTensor's own shard, scaled in place
+        local.mul_(coefficient.to(local.dtype))
     return norm
+
+
+def _sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """The sum of `g`'s squares in float64 on its device; a DTensor's summed over the ranks holding its shards."""
+    squares = g.detach().double().pow(2).sum()
+    return squares.full_tensor() if hasattr(squares, "full_tensor") else squares
 
 
 def _sum_over(comm, value: float) -> float:
@@ -331,6 +338,14 @@ def tensors(name: str) -> dict | None:
     trainer = registry.get(KIND, name)
     out = {k: v.detach().cpu().clone() for k, v in trainer.runner.model.state_dict().items()}
     return out if not any(trainer.me.coords.values()) else None
+
+
+def tensor_devices(name: str) -> list[str]:
+    """The devices this rank's model and optimizer state lie on (placement.tensor_devices)."""
+    from nbdist.cluster.ranks import placement
+
+    runner = registry.get(KIND, name).runner
+    return placement.tensor_devices(runner.model, runner.optimizer)
 
 
 def save(name: str, directory: str, asynchronous: bool = False) -> str:

@@ -1,0 +1,188 @@
+"""One engine, one device: where a rank's models, optimizer state, batches and measurements live (runs ON the
+engines).
+
+Why one module: an engine binds one device at boot (its GPU, or the CPU: cluster/ranks/devices.py decides), and
+every path that builds a model or times a step must agree with it, or a GPU user's first step stops on a device
+mismatch while `%dist_status` says `cuda:0`. So the paths ask here, not torch and not their own copy of the rule:
+- `here()` is the rank's device; `place(model)` moves a model built on CPU by the user's function there, once,
+  where a plan is applied (before tensor parallelism, FSDP2 or DDP wrap it); `to_here(*tensors)` moves batches.
+- `synchronize()` waits for the rank's own device (never "the current device" of some thread: a fresh thread's is
+  cuda:0); `Stopwatch` reads CUDA events on a GPU (the host only queues kernels there) and the host clock on CPU.
+- `memory_report()` gives the free bytes a plan is checked against before anything is built
+  (nbdist.checks.fits); `named_out_of_memory`
+  turns an allocation that fails during a step into one line naming the rank, the phase and the bytes, and frees
+  what the step held so the engine stays usable.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from nbdist.errors import DistUsageError
+from nbdist.units import format_bytes
+
+
+def here() -> torch.device:
+    """This rank's device: what boot bound and `%dist_status` shows."""
+    from nbdist.cluster.ranks.boot import boot
+
+    return torch.device(boot().device)
+
+
+def place(model: nn.Module) -> nn.Module:
+    """`model` with its parameters and buffers on this rank's device (in place; a no-op where they are). A model
+    left on torch's meta device has no values to move: refused in one line."""
+    device = here()
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise DistUsageError("the model is on the meta device (no values): build it with real tensors, or call "
+                             "model.to_empty(device=...) and initialise it in your model function")
+    return model.to(device)
+
+
+def to_here(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` on this rank's device."""
+    device = here()
+    return tuple(t.to(device) for t in tensors)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for the queued work of `device` (default: this rank's); nothing to wait for on CPU."""
+    device = here() if device is None else device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Marks on the device's own timeline: CUDA events on a GPU, host seconds on CPU. `seconds(mark)` is a host
+    time (perf_counter) either way, valid once `settle()` has run: on a GPU each event is placed on the host clock
+    through an anchor recorded, after a synchronise, when the stopwatch started."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = here() if device is None else device
+        self.cuda = self.device.type == "cuda"
+        self.anchor = None
+        if self.cuda:
+            synchronize(self.device)
+            self.anchor = (time.perf_counter(), self._event())
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark(self):
+        return self._event() if self.cuda else time.perf_counter()
+
+    def settle(self) -> None:
+        synchronize(self.device)
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark
+        host, event = self.anchor
+        return host + event.elapsed_time(mark) / 1e3
+
+
+def timed(fn, device: torch.device | None = None) -> float:
+    """Seconds `fn()` takes on `device` (default: this rank's), its queued GPU work included."""
+    watch = Stopwatch(device)
+    start = watch.mark()
+    fn()
+    end = watch.mark()
+    watch.settle()
+    return watch.seconds(end) - watch.seconds(start)
+
+
+def tensor_devices(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """Every device the model's parameters, buffers and gradients and the optimizer's state lie on (a DTensor's own
+    shard counts): one entry, the rank's device, when the rule holds. Optimizer entries named "step" are skipped:
+    torch keeps Adam's step counter on CPU by design (unless capturable or fused)."""
+    found = set()
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for k, v in state.items()
+                    if k != "step" and isinstance(v, torch.Tensor)]
+    for t in tensors:
+        found.add(str(getattr(t, "_local_tensor", t).device))
+    return sorted(found)
+
+
+# -- memory -----------------------------------------------------------------------------------------------------------
+
+
+def free_bytes(device: torch.device | None = None) -> tuple[int, int]:
+    """(free, total) bytes where this rank's tensors go: the GPU's, as CUDA reports them, or on CPU the host's
+    available and physical memory (which the engines of that host share: the kernel divides)."""
+    device = here() if device is None else device
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
+
+
+def memory_report() -> dict:
+    """This rank's device and its free and total bytes (what a plan is checked against before it is built)."""
+    from nbdist.cluster.ranks.boot import boot
+
+    free, total = free_bytes()
+    return {"rank": boot().rank, "device": boot().device, "free": free, "total": total}
+
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch.cuda's before 2.5
+_TRIED = re.compile(r"tried to allocate\s+([\d.]+)\s*(bytes|[KMGT]iB|B)?", re.IGNORECASE)  # CUDA's and the CPU allocator's
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def allocation_failed(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: CUDA's OutOfMemoryError, or the CPU allocator's refusal
+    (a RuntimeError saying it could not allocate)."""
+    if isinstance(error, _OUT_OF_MEMORY):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "can't allocate memory" in text)
+
+
+def out_of_memory_line(error: str, rank: int, device: str, phase: str, free: int | None) -> str:
+    """One line for an allocation that failed: the rank, its device, the phase and the bytes asked for and free."""
+    found = _TRIED.search(error)
+    asked = "" if not found else " of " + format_bytes(float(found.group(1)) * _UNITS.get((found.group(2) or "").lower(), 1))
+    left = "" if free is None else f"; {format_bytes(free)} free"
+    return (f"rank {rank} ({device}) ran out of memory during {phase}: an allocation{asked} failed{left}; the step was "
+            f"abandoned and its tensors freed (the engines stay usable): use a smaller batch, more micro-batches, a "
+            f"higher ZeRO stage or more engines")
+
+
+@contextlib.contextmanager
+def named_out_of_memory(phase: str, release=None) -> Iterator[None]:
+    """Run a step's `phase` ("forward of micro-batch 2", ...); an allocation that fails inside it becomes one
+    DistUsageError line (out_of_memory_line), after `release()` (the caller drops what the step held: gradients,
+    activations) and the device's cache are freed, so the next cell runs on an engine with its memory back."""
+    text = None
+    try:
+        yield
+    except Exception as error:
+        if not allocation_failed(error):
+            raise
+        text = str(error)
+    if text is None:
+        return
+    # out of the except block: the failed allocation's traceback (which holds the step's tensors) is gone
+    from nbdist.cluster.ranks.boot import boot
+
+    info = boot()
+    if release is not None:
+        release()
+    gc.collect()
+    device = torch.device(info.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise DistUsageError(out_of_memory_line(text, info.rank, info.device, phase, free_bytes(device)[0]))

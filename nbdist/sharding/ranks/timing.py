@@ -1,0 +1,145 @@
+"""Layer timing on an engine's own device (runs ON the engines): what the plan's step-time prediction and the
+local hardware profile start from.
+
+Why here and not in the kernel: the kernel never touches CUDA, and a layer timed on the kernel's CPU says nothing of
+an engine's GPU. The layer and its input arrive built on CPU (from the user's function, or pickled from the
+kernel) and are moved to the rank's device first; each forward and backward is timed with the device's own clock
+(CUDA events on a GPU, where the host only queues kernels; the host clock on CPU).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbdist.checks import whole_number
+from nbdist.cluster.ranks import placement, rank_mesh
+from nbdist.sharding.ranks import zero
+from nbdist.tensor_parallel.ranks import tensor_parallel
+
+
+def time_layers(model: nn.Sequential, sample_batch: torch.Tensor, repeats: int = 5,
+                device: torch.device | None = None) -> list[tuple[float, float]]:
+    """(forward, backward) seconds per sample of each top-level layer, run alone on `device` (default: this rank's):
+    the median of `repeats` runs after one warm-up, divided by the batch. A copy is timed (a meta model gets real,
+    uninitialised storage), so the model's gradients are left as they were."""
+    from nbdist.sharding.profile import runnable
+
+    whole_number(repeats, "repeats")
+    device = placement.here() if device is None else device
+    model, x = runnable(copy.deepcopy(model), sample_batch)
+    model, x = model.train().to(device), x.to(device)
+    inputs = []
+    with torch.no_grad():
+        for layer in model:
+            inputs.append(x)
+            x = layer(x)
+    return [_time_layer(layer, inp, repeats, sample_batch.shape[0]) for layer, inp in zip(model, inputs)]
+
+
+def time_probe(layer: nn.Module, rows: int, features: int, dtype: torch.dtype, repeats: int = 5
+               ) -> tuple[float, float]:
+    """(forward, backward) seconds per row of `layer` in `dtype` on a (rows × features) random input made here, on
+    this rank's device (the local hardware profile's probes: planner/local.py)."""
+    device = placement.here()
+    layer = layer.to(device=device, dtype=dtype).train()
+    x = torch.randn(rows, features, dtype=dtype, device=device)
+    return _time_layer(layer, x, repeats, rows)
+
+
+def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> tuple[float, float]:
+    forward, backward = [], []
+    for _ in range(repeats + 1):  # the first run warms up the allocator and autograd
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+        watch = placement.Stopwatch(x.device)
+        start = watch.mark()
+        y = layer(x_in)
+        middle = watch.mark()
+        if y.requires_grad:
+            y.backward(torch.ones_like(y))
+        end = watch.mark()
+        watch.settle()
+        forward.append(watch.seconds(middle) - watch.seconds(start))
+        backward.append(watch.seconds(end) - watch.seconds(middle))
+    return statistics.median(forward[1:]) / batch, statistics.median(backward[1:]) / batch
+
+
+def model_layer_times(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, float]]:
+    """The model built from the user's function on this rank, each layer timed alone at `size` samples."""
+    from nbdist.sharding.profile import sample_input
+    from nbdist.wire import restore
+
+    model = restore(model_fn)()
+    return time_layers(model, sample_input(model, size), repeats)
+
+
+def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9) -> dict:
+    """What the libraries cost beyond compute and bytes, on this rank while every rank of `mesh` (dims dp, tp)
+    runs the same (so the cores are as shared as in a real step): a small column-then-row Linear pair with and
+    without DTensor (tp > 1), with and without FSDP2 units (zero_stage >= 2), and the optimizer's step per parameter.
+    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}."""
+    me = rank_mesh.here(mesh)
+    width, rows = 64, 16
+    (x,) = placement.to_here(torch.randn(rows, width))
+    plain = placement.place(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)))
+
+    def forward_backward(model) -> tuple[float, float]:
+        forward, backward = [], []
+        for i in range(repeats + 2):
+            dist.barrier()
+            watch = placement.Stopwatch()
+            t0 = watch.mark()
+            y = model(x)
+            t1 = watch.mark()
+            y.sum().backward()
+            t2 = watch.mark()
+            watch.settle()
+            if i >= 2:
+                forward.append(watch.seconds(t1) - watch.seconds(t0))
+                backward.append(watch.seconds(t2) - watch.seconds(t1))
+        return statistics.median(forward), statistics.median(backward)
+
+    base = forward_backward(plain)
+    costs = {"tp_linear": (0.0, 0.0), "fsdp_unit": (0.0, 0.0), "optimizer_per_dtensor": 0.0}
+    distributed = None  # the probe whose parameters are DTensors
+    if tp > 1:
+        distributed = tensor_parallel.apply(copy.deepcopy(plain), me.device_mesh["tp"],
+                                            {"0": "colwise", "2": "rowwise"})
+        f, b = forward_backward(distributed)
+        costs["tp_linear"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+    if zero_stage >= 2:
+        distributed = zero.shard(copy.deepcopy(plain), me.device_mesh["dp"], zero_stage)
+        f, b = forward_backward(distributed)
+        costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+    if distributed is not None:
+        extra = (_optimizer_step_seconds(list(distributed.parameters()), optimizer, repeats)
+                 - _optimizer_step_seconds(list(plain.parameters()), optimizer, repeats))
+        costs["optimizer_per_dtensor"] = max(0.0, extra) / len(list(plain.parameters()))
+    costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
+    return costs
+
+
+def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
+    """The median seconds of one optimizer step over `params` (gradients of ones). On DTensor parameters (FSDP2,
+    tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that costs about 0.1 ms
+    per tensor, more than the arithmetic of a small model (measured on a 4-block GPT: Adam 5 ms on plain tensors,
+    10-20 ms on FSDP2 shards of half the elements)."""
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+            "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = make(params, lr=0.1)
+    optimizer.step()
+    device = params[0].device
+    seconds = [placement.timed(optimizer.step, device) for _ in range(repeats)]
+    for p in params:
+        p.grad = None
+    return statistics.median(seconds)
+
+
+def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
+    return _optimizer_step_seconds([nn.Parameter(torch.zeros(elements, device=placement.here()))], kind,
+                                   repeats) / elements
