@@ -290,6 +290,32 @@ def test_an_allocation_that_fails_in_a_step_is_named_and_the_engine_stays_usable
         model.close()
 
 
+def regression_data():
+    from nbdist import data
+
+    return data.regression_dataset(samples=64, inputs=8, outputs=1)
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "local-sgd"])
+def test_an_allocation_that_fails_in_a_trainers_step_is_named_and_the_engine_stays_usable(engine, sync):
+    """The Trainer's loop on the ranks: a plan's model names the micro-batch's phase, a whole replica the step."""
+    def fit(batch_size: int) -> list:
+        tr = nbdist.Trainer(hungry_model, regression_data, torch.nn.functional.mse_loss, sgd, cluster=engine.cluster,
+                            batch_size=batch_size, live=False, sync=sync)
+        try:
+            return tr.fit(steps=2)
+        finally:
+            tr.close()
+
+    with pytest.raises(DistError) as failed:
+        fit(batch_size=3)
+    phase = "the forward of micro-batch 0" if sync == "allreduce" else "step 0"
+    line = str(failed.value)
+    assert f"({engine.cluster.devices[0]}) ran out of memory during {phase}: an allocation of 1048576 GiB" in line
+    assert "\n" not in line
+    assert len(fit(batch_size=4)) == 2
+
+
 def test_a_plan_too_large_for_the_device_is_refused_before_anything_is_built(engine):
     plan = nbdist.shard(model_fn, dp=1, batch=2**26, cluster=engine.cluster)
     with pytest.raises(DistUsageError) as refused:

@@ -26,7 +26,7 @@ import torch
 
 from nbdist import data as datasets
 from nbdist.backend.ranks import waiting
-from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.cluster.ranks import placement, rank_mesh, registry
 from nbdist.training.ranks import runners, telemetry
 from nbdist.wire import restore
 
@@ -82,7 +82,8 @@ class RankTrainer:
         self._set_learning_rate(k)
         x, y = self.share(k)
         started = time.perf_counter()
-        report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
+        with placement.named_out_of_memory(f"step {k}", release=self._release_gradients):
+            report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
         delay = self.spec.straggler.get(self.rank, 0.0)
         if delay:
             time.sleep(delay)
@@ -99,6 +100,11 @@ class RankTrainer:
         self.step += 1
         self.records.append(record)
         return record
+
+    def _release_gradients(self) -> None:
+        """After a failed allocation: drop the step's gradients, so the engine has its memory back."""
+        if self.runner.model is not None:
+            self.runner.model.zero_grad(set_to_none=True)
 
     def _autocast(self):
         dtype = runners.AUTOCAST_DTYPES.get(self.spec.optimization.precision)
@@ -342,8 +348,6 @@ def tensors(name: str) -> dict | None:
 
 def tensor_devices(name: str) -> list[str]:
     """The devices this rank's model and optimizer state lie on (placement.tensor_devices)."""
-    from nbdist.cluster.ranks import placement
-
     runner = registry.get(KIND, name).runner
     return placement.tensor_devices(runner.model, runner.optimizer)
 
