@@ -12,6 +12,12 @@ against):
   2,039 GB/s (80 GB) or 1,555 GB/s (40 GB), NVLink 3 600 GB/s per GPU both directions together (300 GB/s each
   way). H100 SXM: 989 TFLOP/s dense bf16, HBM3 3.35 TB/s, NVLink 4 900 GB/s (450 each way). H200: the H100's
   chip with 141 GB of HBM3e at 4.8 TB/s.
+- units: bandwidths and FLOP/s are decimal (GB/s = 1e9 bytes/s). Memory sizes are not: a datasheet's "80 GB" or
+  "141 GB" of HBM is JEDEC's gigabyte, 2**30 bytes (a GiB), as the totals the cards report show, each under its
+  GiB figure by what the driver keeps (under 1 GiB) and far above its decimal one: an A100-SXM4-80GB reports
+  85,056,798,720 bytes to CUDA (79.2 GiB; 80e9 is 74.5), an A100 40GB 42,405,855,232 (39.5 GiB; 40e9 is 37.3),
+  nvidia-smi shows 81559 MiB on an H100 80GB (79.6 GiB) and 143771 MiB on an H200 (140.4 GiB; 141e9 bytes would
+  be 131.3 GiB, 9 GiB fewer than it holds). `MEMORY_GB` holds each profile's datasheet figure, in that unit.
 - across hosts: a DGX A100 (Megatron-LM's Selene) has 8 HDR InfiniBand ports of 200 Gb/s, one per GPU: 25 GB/s
   per GPU each way; a DGX H100 8 NDR ports of 400 Gb/s: 50 GB/s per GPU.
 - matmul efficiency and memory efficiency, one pair per chip, from public measurements:
@@ -109,13 +115,16 @@ NDR_IB = Link("InfiniBand NDR, 400 Gb/s per GPU", 50e9, 5e-6)
 _A100_PEAKS = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
 _H100_PEAKS = {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.7e12, "fp32": 66.9e12}
 
+# Each profile's memory as its datasheet writes it, in GB of memory capacity = JEDEC's 2**30 bytes (see above).
+MEMORY_GB = {"a100-80gb": 80, "a100-40gb": 40, "h100-sxm": 80, "h200": 141}
+
 PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", _A100_PEAKS, 80 * GiB, 2039e9, 0.737, NVLINK3, HDR_IB, 8,
+    "a100-80gb": Hardware("a100-80gb", _A100_PEAKS, MEMORY_GB["a100-80gb"] * GiB, 2039e9, 0.737, NVLINK3, HDR_IB, 8,
                           notes="DGX A100 (Megatron-LM's Selene): 8 GPUs, NVSwitch, 8 x HDR 200 Gb/s"),
-    "a100-40gb": Hardware("a100-40gb", _A100_PEAKS, 40 * GiB, 1555e9, 0.737, NVLINK3, HDR_IB, 8,
+    "a100-40gb": Hardware("a100-40gb", _A100_PEAKS, MEMORY_GB["a100-40gb"] * GiB, 1555e9, 0.737, NVLINK3, HDR_IB, 8,
                           notes="DGX A100 40 GB"),
-    "h100-sxm": Hardware("h100-sxm", _H100_PEAKS, 80 * GiB, 3350e9, 0.801, NVLINK4, NDR_IB, 8,
+    "h100-sxm": Hardware("h100-sxm", _H100_PEAKS, MEMORY_GB["h100-sxm"] * GiB, 3350e9, 0.801, NVLINK4, NDR_IB, 8,
                          notes="DGX H100: 8 GPUs, NVSwitch, 8 x NDR 400 Gb/s"),
-    "h200": Hardware("h200", _H100_PEAKS, 141e9, 4800e9, 0.801, NVLINK4, NDR_IB, 8,
+    "h200": Hardware("h200", _H100_PEAKS, MEMORY_GB["h200"] * GiB, 4800e9, 0.801, NVLINK4, NDR_IB, 8,
                      notes="HGX H200: the H100's chip, 141 GB HBM3e"),
 }

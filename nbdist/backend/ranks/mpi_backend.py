@@ -41,6 +41,8 @@ Data: tensors travel as their bytes (any dtype, bf16 included, no copy when cont
 datatype of the dtype, except float16 and bfloat16, which MPI cannot reduce: those are reduced through a float32
 copy (exact for the min and max, and sums of float32 round once instead of once per step). Non-contiguous tensors
 are copied into contiguous ones and back. AVG is a SUM divided by the group's size (integer tensors refuse AVG).
+Only CPU tensors: the MPI it runs on is not CUDA-aware, so a CUDA (or "meta") tensor is refused in one line where
+the operation enters (mpi_data.on_cpu), before its pointer reaches MPI.
 """
 from __future__ import annotations
 
@@ -154,10 +156,13 @@ class MpiProcessGroup(dist.ProcessGroup):
             return complete_now(self, op, requests, finish, buffers)
         return MpiWork(self, op, requests, outputs, finish, buffers)
 
-    def _usable(self, op: str):
-        """The communicator, unless an abandoned operation left this group's ranks out of step."""
+    def _usable(self, op: str, *tensors):
+        """The communicator, unless an abandoned operation left this group's ranks out of step or a tensor of the
+        operation (`tensors`: its tensor arguments as torch passes them) is not in CPU memory. Every operation
+        starts here, so this is the one place that refuses CUDA tensors (mpi_data.on_cpu)."""
         if self._broken is not None:
             raise DistUsageError(f"{NAME} {op}: {self._broken}")
+        data.on_cpu(op, tensors)
         return self._comm
 
     def abandon(self, op: str, requests: list, buffers: tuple, generation: int | None = None) -> None:
@@ -182,7 +187,7 @@ class MpiProcessGroup(dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_reduce")
+        comm = self._usable("all_reduce", tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         (tensor,) = data.single(tensors, "all_reduce")
         if op == dist.ReduceOp.SUM and data.direct(tensor):  # the common case, kept short
@@ -193,7 +198,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("all_reduce", [request], tensors, stage.finish, (stage.work,), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_reduce_coalesced")
+        comm = self._usable("all_reduce_coalesced", tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         stages = [data.Reduction(t, op, self._n, "all_reduce_coalesced", copy_in=True) for t in tensors]
         requests = [comm.Iallreduce(data.IN_PLACE, data.typed(s.work), s.mpi_op) for s in stages]
@@ -201,7 +206,7 @@ class MpiProcessGroup(dist.ProcessGroup):
                           tuple(s.work for s in stages), opts=opts)
 
     def reduce(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("reduce")
+        comm = self._usable("reduce", tensors)
         (tensor,) = data.single(tensors, "reduce")
         root, me = opts.rootRank, comm.rank
         stage = data.Reduction(tensor, opts.reduceOp, self._n, "reduce", copy_in=True)
@@ -212,7 +217,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("reduce", [request], tensors, stage.finish if me == root else None, (stage.work,), opts=opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("reduce_scatter")
+        comm = self._usable("reduce_scatter", output_tensors, input_tensors)
         (output,), (inputs,) = data.single(output_tensors, "reduce_scatter"), data.single(input_tensors,
                                                                                         "reduce_scatter")
         data.same_count(inputs, self._n, "reduce_scatter")
@@ -224,7 +229,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("reduce_scatter", [request], output_tensors, stage.finish, (send, stage.work), opts=opts)
 
     def _reduce_scatter_base(self, output, input, opts=None) -> MpiWork:
-        comm = self._usable("reduce_scatter_tensor")
+        comm = self._usable("reduce_scatter_tensor", output, input)
         data.sizes_match(input.numel(), output.numel() * self._n, "reduce_scatter_tensor")
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         stage = data.Reduction(output, op, self._n, "reduce_scatter_tensor", copy_in=False)
@@ -243,14 +248,14 @@ class MpiProcessGroup(dist.ProcessGroup):
     # -- moving data ---------------------------------------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("broadcast")
+        comm = self._usable("broadcast", tensors)
         (tensor,) = data.single(tensors, "broadcast")
         out = data.Output(tensor, copy_in=comm.rank == opts.rootRank)
         request = comm.Ibcast(data.raw(out.work), opts.rootRank)
         return self._work("broadcast", [request], tensors, out.finish, (out.work,), opts=opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_gather")
+        comm = self._usable("all_gather", output_tensors, input_tensors)
         (outputs,), (tensor,) = data.single(output_tensors, "all_gather"), data.single(input_tensors, "all_gather")
         data.same_count(outputs, self._n, "all_gather")
         send = data.contiguous(tensor)
@@ -259,7 +264,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("all_gather", [request], output_tensors, gathered.finish, (send, gathered.flat), opts=opts)
 
     def _allgather_base(self, output, input, opts=None) -> MpiWork:
-        comm = self._usable("all_gather_into_tensor")
+        comm = self._usable("all_gather_into_tensor", output, input)
         data.sizes_match(output.numel(), input.numel() * self._n, "all_gather_into_tensor")
         out = data.Output(output, copy_in=True)
         send = data.gather_source(data.contiguous(input), out.work, comm.rank)  # FSDP2 gathers in place
@@ -275,7 +280,7 @@ class MpiProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def gather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("gather")
+        comm = self._usable("gather", output_tensors, input_tensors)
         (tensor,) = data.single(input_tensors, "gather")
         send, root = data.contiguous(tensor), opts.rootRank
         if comm.rank != root:
@@ -287,7 +292,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("gather", [request], output_tensors, gathered.finish, (send, gathered.flat), opts=opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("scatter")
+        comm = self._usable("scatter", output_tensors, input_tensors)
         (tensor,) = data.single(output_tensors, "scatter")
         out, root = data.Output(tensor, copy_in=False), opts.rootRank
         spec, flat = None, None
@@ -300,7 +305,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("scatter", [request], output_tensors, out.finish, (out.work, flat), opts=opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> MpiWork:
-        comm = self._usable("all_to_all_single")
+        comm = self._usable("all_to_all_single", output, input)
         send, out = data.contiguous(input), data.Output(output, copy_in=False)
         send_spec = data.split_spec(send, input_split_sizes, self._n, "all_to_all_single")
         recv_spec = data.split_spec(out.work, output_split_sizes, self._n, "all_to_all_single")
@@ -308,7 +313,7 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("all_to_all_single", [request], [output], out.finish, (send, out.work), opts=opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_to_all")
+        comm = self._usable("all_to_all", output_tensors, input_tensors)
         data.same_count(input_tensors, self._n, "all_to_all")
         data.same_count(output_tensors, self._n, "all_to_all")
         flat, gathered = data.concatenated(input_tensors), data.Pieces(output_tensors)
@@ -316,13 +321,13 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._work("all_to_all", [request], output_tensors, gathered.finish, (flat, gathered.flat), opts=opts)
 
     def send(self, tensors, dst: int, tag: int) -> MpiWork:
-        comm = self._usable("send")
+        comm = self._usable("send", tensors)
         (tensor,) = data.single(tensors, "send")
         send = data.contiguous(tensor)
         return self._work("send", [comm.Isend(data.raw(send), dst, tag)], tensors, None, (send,))
 
     def recv(self, tensors, src: int, tag: int) -> MpiWork:
-        comm = self._usable("recv")
+        comm = self._usable("recv", tensors)
         (tensor,) = data.single(tensors, "recv")
         out = data.Output(tensor, copy_in=False)
         return self._work("recv", [comm.Irecv(data.raw(out.work), src, tag)], tensors, out.finish, (out.work,))

@@ -182,6 +182,22 @@ def _offsets(counts: Sequence[int]) -> list[int]:
 # -- checks and composition ----------------------------------------------------------------------------------------
 
 
+def on_cpu(op: str, arguments: tuple) -> None:
+    """Refuse, in one line, any tensor not in CPU memory among an operation's tensor arguments (tensors, lists of
+    them, lists of lists). Why: buffers are made from `data_ptr()`, and the MPI under this backend is not
+    CUDA-aware, so a CUDA pointer would have MPI read or write device memory as if it were host memory (a crash,
+    or wrong data); a "meta" tensor has no memory at all. Checked where every operation enters
+    (MpiProcessGroup._usable), before anything is posted."""
+    for argument in arguments:
+        for item in argument if isinstance(argument, (list, tuple)) else (argument,):
+            for tensor in item if isinstance(item, (list, tuple)) else (item,):
+                if not tensor.is_cpu:
+                    raise DistUsageError(
+                        f"mpi4py {op}: a tensor on {tensor.device}, but the mpi4py backend moves CPU tensors only "
+                        f"(its MPI is not CUDA-aware); use the nccl backend (GPU engines start with it by default), "
+                        f"or move the tensor to CPU first (.cpu())")
+
+
 def single(items: Sequence, what: str) -> Sequence:
     """torch passes lists of one tensor (or one list) per call; this backend serves one device per rank."""
     if len(items) != 1:

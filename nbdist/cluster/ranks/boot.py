@@ -156,16 +156,30 @@ def _nvml_process_bytes(index: int) -> int | None:
     """What NVML lists for this process on CUDA device `index`, or None where it cannot say."""
     try:
         import pynvml
-        import torch
 
-        to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)  # private in torch 2.x: feature-tested
-        if to_nvml is None and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            return None  # CUDA's index is not NVML's then, and this torch cannot map it
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(to_nvml(index) if to_nvml else index)
+            handle = nvml_handle(pynvml, index)
+            if handle is None:
+                return None
             return devices.process_gpu_bytes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle), os.getpid())
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no pynvml, no driver, an NVML call this driver lacks: fall back to torch's figure
+    except Exception:  # noqa: BLE001 - no pynvml, no driver, an NVML call it lacks: torch's figure instead
         return None
+
+
+def nvml_handle(pynvml, cuda_index: int):
+    """NVML's handle of this process's CUDA device `cuda_index` (the caller has initialised NVML), or None where
+    CUDA shows no such device. devices.nvml_device maps the index, from CUDA_VISIBLE_DEVICES and the UUIDs NVML
+    lists: CUDA's index is NVML's only where that variable is unset (torch's own mapping,
+    torch.cuda._get_nvml_device_index, is private and fails on MIG instances). Shared with the training
+    telemetry (training/ranks/telemetry.py), so both read the same GPU."""
+    uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+             for i in range(pynvml.nvmlDeviceGetCount())]
+    target = devices.nvml_device(cuda_index, os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
+    if target is None:
+        return None
+    if isinstance(target, str):  # a MIG instance, opened by its UUID: that instance alone
+        return pynvml.nvmlDeviceGetHandleByUUID(target)
+    return pynvml.nvmlDeviceGetHandleByIndex(target)

@@ -22,6 +22,7 @@ is "cpu:gloo,cuda:nccl". `backend_for(backend, device_type)` says which backend 
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -122,3 +123,66 @@ def process_gpu_bytes(processes: Sequence, pid: int) -> int | None:
     inside a container NVML reports the host's PIDs, so a process may not find itself."""
     used = [p.usedGpuMemory for p in processes if p.pid == pid and p.usedGpuMemory is not None]
     return sum(used) if used else None
+
+
+def nvml_device(cuda_index: int, visible: str | None, uuids: Sequence[str]) -> int | str | None:
+    """What NVML calls CUDA device `cuda_index` of a process whose CUDA_VISIBLE_DEVICES is `visible` (None: unset),
+    where NVML lists GPUs whose UUIDs are `uuids` (NVML index i is uuids[i]). The one mapping telemetry and boot use.
+
+    Why: NVML numbers every GPU of the machine, CUDA only those CUDA_VISIBLE_DEVICES shows, in its order: under
+    "3,1" CUDA's 0 is NVML's 3, so one index used for both reads another GPU's figures.
+
+    Returns NVML's index (int); for a MIG instance ("MIG-..." entries), its UUID (str), which
+    nvmlDeviceGetHandleByUUID opens as that instance alone: its own memory (NVML reports no utilisation for it).
+    Not the parent GPU: its memory counts every instance's, other users' included, so it is not this rank's figure.
+    None where CUDA shows no device `cuda_index`.
+
+    CUDA_VISIBLE_DEVICES is read as CUDA reads it (torch.cuda._parse_visible_devices follows it): integers by their
+    leading digits ("1gpu" is 1), a negative or unreadable entry ending the list and an index beyond NVML's count
+    too; "GPU-" entries are UUID prefixes, each matching exactly one GPU, the first that does not ending the list;
+    a device named twice hides all. NVML orders GPUs by PCI bus; CUDA's default order (fastest first) agrees
+    except on hosts that mix GPU models, where CUDA_DEVICE_ORDER=PCI_BUS_ID makes it agree."""
+    shown = _shown(visible, uuids)
+    return shown[cuda_index] if 0 <= cuda_index < len(shown) else None
+
+
+def _shown(visible: str | None, uuids: Sequence[str]) -> list[int | str]:
+    """The devices CUDA shows, in CUDA's order: NVML indices, or MIG instances' UUIDs."""
+    if visible is None:
+        return list(range(len(uuids)))
+    entries = [e.strip() for e in visible.split(",")]
+    if entries[0].startswith(("GPU-", "MIG-")):
+        prefix = entries[0][:4]
+        named = _unique(_while(entries, lambda e: e.startswith(prefix)))
+        return named if prefix == "MIG-" else _unique(_while([_uuid_index(e, uuids) for e in named], _found))
+    ordinals = _unique(_while([_leading_int(e) for e in entries], lambda i: i >= 0))
+    return _while(ordinals, lambda i: i < len(uuids))
+
+
+def _while(items: list, keep) -> list:
+    """The items before the first that `keep` refuses: CUDA stops reading the list there."""
+    for i, item in enumerate(items):
+        if not keep(item):
+            return items[:i]
+    return items
+
+
+def _unique(items: list) -> list:
+    """The items, or none if one repeats: CUDA shows no device when one is named twice."""
+    return items if len(set(items)) == len(items) else []
+
+
+def _found(index: int | None) -> bool:
+    return index is not None
+
+
+def _uuid_index(prefix: str, uuids: Sequence[str]) -> int | None:
+    """The NVML index of the one GPU whose UUID starts with `prefix`; None if none or several do."""
+    matches = [i for i, uuid in enumerate(uuids) if uuid.startswith(prefix)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _leading_int(text: str) -> int:
+    """The integer `text` starts with, as C's strtoul reads it ("1gpu" is 1); -1 where it starts with none."""
+    match = re.match(r"[+-]?\d+", text)
+    return int(match.group()) if match else -1

@@ -17,13 +17,23 @@ def synchronise(seconds: float) -> bool:
 
     from nbdist.cluster.ranks.boot import boot
 
-    if not boot().device.startswith("cuda"):
+    device = device_to_synchronise(boot().device)
+    if device is None:
         return True
     done = threading.Event()
 
     def wait() -> None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         done.set()
 
     threading.Thread(target=wait, daemon=True, name="nbdist-gpu-sync").start()
     return done.wait(seconds)
+
+
+def device_to_synchronise(device: str):
+    """The torch.device the waiting thread synchronises: the rank's own (boot's "cuda:3"), named, because CUDA's
+    current device is per thread and a new thread's is cuda:0: a bare torch.cuda.synchronize() there would wait for
+    GPU 0's work instead of this rank's, and make a CUDA context on GPU 0 in every rank. None on a CPU rank."""
+    import torch
+
+    return torch.device(device) if device.startswith("cuda") else None

@@ -19,7 +19,7 @@ from torch import nn
 def shard(model: nn.Module, dp_mesh, stage: int) -> nn.Module:
     """FSDP2 over `dp_mesh` (a 1-D DeviceMesh, or the dp part of a dp x tp mesh), in place: every top-level layer
     that has parameters is one unit, then the root (which takes what is left)."""
-    from torch.distributed.fsdp import fully_shard
+    from nbdist.cluster.ranks.compat import fully_shard  # public from torch 2.6, private before
 
     reshard = stage == 3
     for layer in model.children():

@@ -2,8 +2,9 @@
 step records, published through ipyparallel's datapub (the notebook reads them from the running task).
 
 CPU engines: this process's CPU utilisation (percent of one core, psutil) and resident memory. GPU engines: the
-GPU's utilisation and memory in use from NVML (nvidia-ml-py), as nvidia-smi shows them. Sampled only when
-publishing (at most every PUBLISH_SECONDS), so a fast loop pays almost nothing for it.
+GPU's utilisation and memory in use from NVML (nvidia-ml-py), as nvidia-smi shows them (utilisation None where NVML
+cannot say, as for a MIG instance). Sampled only when publishing (at most every PUBLISH_SECONDS), so a fast loop
+pays almost nothing for it.
 """
 from __future__ import annotations
 
@@ -22,20 +23,37 @@ class Sampler:
     def sample(self) -> dict:
         out = {"cpu_percent": self.process.cpu_percent(None), "rss_bytes": self.process.memory_info().rss}
         if self.nvml is not None:
-            import pynvml
-
-            out["gpu_percent"] = float(pynvml.nvmlDeviceGetUtilizationRates(self.nvml).gpu)
-            out["gpu_memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(self.nvml).used)
+            out.update(gpu_figures(self.nvml))
         return out
 
 
+def gpu_figures(handle) -> dict:
+    """The GPU's utilisation (percent) and memory in use (bytes). Utilisation is None where NVML cannot say: a MIG
+    instance, and some drivers, raise NVMLError_NotSupported for it. None, not 0 (which would read as an idle
+    GPU), and not a crash of the training loop that publishes it; the memory figure is kept."""
+    import pynvml
+
+    return {"gpu_percent": _utilisation(pynvml, handle),
+            "gpu_memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)}
+
+
+def _utilisation(pynvml, handle) -> float | None:
+    try:
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError:  # NotSupported (MIG, some drivers) or any other refusal: not known
+        return None
+
+
 def _nvml_handle(device: torch.device):
+    """NVML's handle of the rank's GPU, found as boot.py finds it (devices.nvml_device: CUDA's index is NVML's only
+    where CUDA_VISIBLE_DEVICES is unset), or None."""
     try:
         import pynvml
 
+        from nbdist.cluster.ranks.boot import nvml_handle
+
         pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
+        return nvml_handle(pynvml, device.index if device.index is not None else torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - no NVML (a driver without it): the dashboard shows CPU figures only
         return None
 
