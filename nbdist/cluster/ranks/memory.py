@@ -13,8 +13,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from nbdist.cluster.ranks.compat import FSDPModule  # torch < 2.6 keeps it elsewhere
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
