@@ -22,23 +22,27 @@ HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefil
 
 
 def visible_gpus() -> int:
-    """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES, without creating a CUDA context."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return 0
+    """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES read as CUDA reads it
+    (cluster/ranks/devices.cuda_shows: "0,-1,2" shows one), without creating a CUDA context."""
+    from nbdist.cluster.ranks.devices import cuda_shows
+
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            count = pynvml.nvmlDeviceGetCount()
+            uuids = [_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                     for i in range(pynvml.nvmlDeviceGetCount())]
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         return 0
-    if visible is not None:
-        count = min(count, len([d for d in visible.split(",") if d.strip()]))
-    return count
+    return len(cuda_shows(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids))
+
+
+def _text(value) -> str:
+    """NVML strings are bytes in older nvidia-ml-py, str in newer."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def max_cpu_engines() -> int:

@@ -142,12 +142,13 @@ def nvml_device(cuda_index: int, visible: str | None, uuids: Sequence[str]) -> i
     too; "GPU-" entries are UUID prefixes, each matching exactly one GPU, the first that does not ending the list;
     a device named twice hides all. NVML orders GPUs by PCI bus; CUDA's default order (fastest first) agrees
     except on hosts that mix GPU models, where CUDA_DEVICE_ORDER=PCI_BUS_ID makes it agree."""
-    shown = _shown(visible, uuids)
+    shown = cuda_shows(visible, uuids)
     return shown[cuda_index] if 0 <= cuda_index < len(shown) else None
 
 
-def _shown(visible: str | None, uuids: Sequence[str]) -> list[int | str]:
-    """The devices CUDA shows, in CUDA's order: NVML indices, or MIG instances' UUIDs."""
+def cuda_shows(visible: str | None, uuids: Sequence[str]) -> list[int | str]:
+    """The devices CUDA shows, in CUDA's order: NVML indices, or MIG instances' UUIDs (the kernel counts them
+    with this, without a CUDA context: cluster/options.visible_gpus)."""
     if visible is None:
         return list(range(len(uuids)))
     entries = [e.strip() for e in visible.split(",")]
