@@ -80,7 +80,8 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
     """What the libraries cost beyond compute and bytes, on this rank while every rank of `mesh` (dims dp, tp)
     runs the same (so the cores are as shared as in a real step): a small column-then-row Linear pair with and
     without DTensor (tp > 1), with and without FSDP2 units (zero_stage >= 2), and the optimizer's step per parameter.
-    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}."""
+    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}, and
+    the device measured on."""
     me = rank_mesh.here(mesh)
     width, rows = 64, 16
     (x,) = placement.to_here(torch.randn(rows, width))
@@ -119,6 +120,7 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
                  - _optimizer_step_seconds(list(plain.parameters()), optimizer, repeats))
         costs["optimizer_per_dtensor"] = max(0.0, extra) / len(list(plain.parameters()))
     costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
+    costs["device"] = str(x.device)  # where it was measured: the rank's device, or the figures mean nothing
     return costs
 
 
