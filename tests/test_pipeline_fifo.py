@@ -1,13 +1,14 @@
-"""The torch transport as NCCL will run it, on CPU: one gloo group per direction between neighbours, messages matched
-in order (no tags), every schedule checked by `check_nccl` first. Each claim is against one process (float32)."""
+"""The torch transport as NCCL will run it, on CPU: one gloo group per pipeline, messages posted in rounds and matched
+in order per pair (no tags), every schedule checked by `check_nccl` first. Each claim is against one process
+(float32)."""
 import pytest
 import torch
+from test_pipeline import ATOL, LOSS, assert_same_grads, build_model, serial
 
 import nbdist
-from nbdist.errors import DistUsageError
 from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistUsageError
 from nbdist.schedules import NAMES, Schedule
-from test_pipeline import LOSS, ATOL, assert_same_grads, build_model, serial
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,20 @@ def test_stepped_then_abandoned_then_stepped_again(three, batch):
     stepper = pipe.stepper(*batch, LOSS)
     while not stepper.done:
         stepper.next()
+    assert stepper.loss == pytest.approx(expected_loss, abs=ATOL)
+    assert_same_grads(pipe.grads(), expected_grads)
+    pipe.close()
+
+
+@pytest.mark.parametrize("name, chunks", [("interleaved-1f1b", 2), ("zb-h1", 1), ("gpipe", 1)])
+def test_stepping_tick_by_tick_on_the_torch_transport_equals_serial(three, batch, name, chunks):
+    """Each call posts every round before its boundary and waits only for what is partnered (schedules/nccl.py):
+    one tick per call, over the ring (interleaved: rank 2 -> rank 0) and a split backward, ends like a full step."""
+    pipe = nbdist.pipeline(build_model, 3, name, microbatches=6, chunks=chunks, transport="torch", cluster=three)
+    stepper = pipe.stepper(*batch, LOSS)
+    while not stepper.done:
+        stepper.next()
+    expected_loss, expected_grads = serial(batch)
     assert stepper.loss == pytest.approx(expected_loss, abs=ATOL)
     assert_same_grads(pipe.grads(), expected_grads)
     pipe.close()

@@ -3,12 +3,19 @@
 A rank holds the modules of its stages. For a step it splits its replica's batch into micro-batches (first stage:
 inputs, last stage: targets) and walks its action list: F runs a stage forward and keeps the activation, B (or I
 then W) runs its backward, SEND/RECV move activations and gradients to the neighbouring stages. Sends never block;
-a receive is posted a few actions early and waited for only when the data is needed, so communication overlaps
+a receive is posted before it is needed and waited for only when the data is needed, so communication overlaps
 compute. Every action is timed: start, end, how long it waited for a message, and which call ran it.
+
+How messages are posted depends on the transport. MPI's tags let a receive be posted a few actions early, in any
+order. The torch transport (NCCL on GPUs, gloo on CPU) posts a rank's sends and receives in ROUNDS, each one group on
+the pipeline's one communicator: round t holds this rank's send of tick t and the receives of what its neighbours
+send at tick t (schedules/nccl.py says why: several communicators in flight at once, or sends and receives issued
+one by one, can deadlock under NCCL; rounds cannot).
 
 The same walk can stop at a tick boundary (`advance(until_tick)`) and resume later: that is how a Stepper runs a
 schedule tick by tick. Ticks come from the lockstep order in which every dependency is met (see
-pipeline_parallel/stepping.py), so stopping there never leaves a rank waiting for a message that was not sent.
+pipeline_parallel/stepping.py), so stopping there never leaves a rank waiting for a message that was not sent; a call
+posts every round before its boundary, also where this rank idles, so no message of it waits for the next call.
 
 With data parallelism (a mesh with dp > 1) the same schedule runs on every replica's ranks at once, each on its
 share of the batch; when a rank's list is done its gradients are averaged over its dp group before the optimizer
@@ -17,7 +24,8 @@ steps, so every replica takes the same step.
 from __future__ import annotations
 
 import contextlib
-import threading
+import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +33,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from nbdist.pipeline_parallel.ranks.clocks import clock_for
+from nbdist.pipeline_parallel.ranks.clocks import Span, clock_for
+from nbdist.pipeline_parallel.ranks.transport import Drainer, cancel, message_tag
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.schedules.actions import (
     BACKWARD,
@@ -39,22 +48,19 @@ from nbdist.schedules.actions import (
     Action,
 )
 
-RECEIVE_LOOKAHEAD = 4  # receives posted ahead of need: overlap without holding every buffer at once
-TAG_EPOCHS = 64  # steps before message tags repeat
+RECEIVE_LOOKAHEAD = 4  # MPI: receives posted ahead of need, overlap without holding every buffer at once
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
 
-@dataclass
-class Span:
-    action: str
-    start: float
-    end: float
-    wait: float = 0.0  # seconds spent waiting for a message
-    call: int = 0  # which call of the step ran it (a Stepper's clicks; a full-speed step is one call)
+@dataclass(frozen=True)
+class Walk:
+    """An action list as this rank walks it: its actions, their lockstep ticks, and on the torch transport the
+    rounds its messages are posted in (schedules/nccl.py: rounds); None on MPI (receives posted ahead, by tag)."""
 
-    def as_tuple(self) -> tuple:
-        return (self.action, self.start, self.end, self.wait, self.call)
+    program: tuple[Action, ...]
+    ticks: tuple[int, ...]
+    rounds: tuple | None = None
 
 
 @dataclass
@@ -69,12 +75,14 @@ class StepState:
     kept_for_weights: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # output gradient I keeps for W
     grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # input gradients a SEND_B will send
     stashed: dict[Key, dict] = field(default_factory=dict)  # parameter version the forward used (pipedream)
+    walk: Walk | None = None  # the list being walked: the step's, or evaluation's forward-only one
+    round: int = 0  # torch transport: the next of the walk's rounds to post
     received: dict[Action, tuple] = field(default_factory=dict)  # receive action -> (buffer, request)
     sends: list = field(default_factory=list)  # requests of sends not known to be complete
     losses: list = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     unsettled: list[tuple] = field(default_factory=list)  # (action, start mark, end mark, wait, call) on a GPU clock
-    position: int = 0  # the next action of the rank's list
+    position: int = 0  # the next action of the walk
     calls: list[float] = field(default_factory=list)  # when each call of this step left its barrier
     report: dict | None = None  # the finished step's report (kept: a finished rank is still called while stepping)
 
@@ -83,9 +91,16 @@ class StageExecutor:
     """One rank's part of a pipeline: its stages' modules, its action list, the messages of the current step."""
 
     def __init__(self, spec: StageSpec, modules: dict[int, nn.Module], device: torch.device, transport,
-                 dp_average=None, optimizer=None):
+                 dp_average=None, optimizer=None, walks: dict | None = None):
+        """walks: on the torch transport, "step" and "evaluation" -> (actions, ticks, rounds) of this rank
+        (schedules/nccl.py: rank_walks); None on MPI: the step's list and ticks from `spec`."""
         self.spec = spec
         self.program = [Action.parse(a) for a in spec.program]
+        if walks is None:
+            forward = tuple(a for a in self.program if a.kind in (FORWARD, RECV_F, SEND_F))
+            walks = {"step": (self.program, spec.ticks, None), "evaluation": (forward, (), None)}
+        self.walks = {kind: Walk(tuple(acts), tuple(ticks), None if rounds is None else tuple(rounds))
+                      for kind, (acts, ticks, rounds) in walks.items()}
         self.device = device
         self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: pipeline_parallel/ranks/clocks.py
         self.modules = {s: m.to(device) for s, m in modules.items()}
@@ -98,9 +113,8 @@ class StageExecutor:
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
         self.epoch = 0  # steps begun: part of every message tag
-        self.state = StepState()
-        self._drainer: threading.Thread | None = None
-        self._drain_stop = threading.Event()
+        self.state = StepState(walk=self.walks["step"])
+        self.drainer = Drainer()  # keeps a paused rank's sends moving (transport.py)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules.values() for p in m.parameters()]
@@ -124,15 +138,20 @@ class StageExecutor:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def begin(self, shapes: dict, inputs, targets, loss_fn) -> None:
+    @property
+    def posts_rounds(self) -> bool:
+        """True on the torch transport: each send's receive is posted within the call that sends it."""
+        return self.walks["step"].rounds is not None
+
+    def begin(self, shapes: dict, inputs, targets, loss_fn, walk: str = "step") -> None:
         """A new step: this replica's batch (first stage: inputs; last stage: targets), gradients cleared."""
         self.stop_draining()
-        self._abandon(self.state)
+        cancel(request for _, request in self.state.received.values())  # an interrupted step's (MPI) receives
         self.epoch += 1
         for p in self.parameters():
             p.grad = None
         self.shapes, self.loss_fn = shapes, loss_fn
-        state = self.state = StepState()
+        state = self.state = StepState(walk=self.walks[walk])
         m = self.spec.microbatches
         if self.spec.first_stage:
             state.inputs = list(inputs.to(self.device).chunk(m))
@@ -146,21 +165,22 @@ class StageExecutor:
         self.stop_draining()
         self.clock.call_began()
         state, ran = self.state, 0
-        while state.position < len(self.program):
-            if until_tick is not None and self.spec.ticks[state.position] >= until_tick:
+        while state.position < len(state.walk.program):
+            if until_tick is not None and state.walk.ticks[state.position] >= until_tick:
                 break
-            self._post_receives(state.position)
-            self._run(self.program[state.position])
+            self._post_ahead()
+            self._run(state.walk.program[state.position])
             state.position += 1
             ran += 1
             if publish is not None:
                 publish(state)
+        self._post_rounds(math.inf if until_tick is None else until_tick - 1)  # also the ticks this rank idles
         self._settle()
         return ran
 
     def _settle(self) -> None:
-        """GPU: wait for the call's work, then turn its event marks into spans (a receive's span is how long the
-        compute stream waited for the message)."""
+        """GPU: wait for the call's work on the compute stream (clocks.py), then turn its event marks into spans
+        (a receive's span is how long the compute stream waited for the message)."""
         state = self.state
         if not state.unsettled:
             return
@@ -173,33 +193,21 @@ class StageExecutor:
 
     @property
     def done(self) -> bool:
-        return self.state.position >= len(self.program)
+        return self.state.position >= len(self.state.walk.program)
 
     def pause(self) -> None:
-        """Between a Stepper's calls: keep the posted sends moving while this rank waits for the next call.
-
-        A large MPI message (rendezvous protocol) completes only while the *sender* also calls into MPI, and a
-        paused rank calls nothing; a small thread tests the pending sends until they are done or the rank
-        resumes. (A rank must not block on them either: the receive may only be posted at a later tick.)
-        """
-        pending = [r for r in self.state.sends if not r.is_completed()]
-        self.state.sends = pending
-        if pending:
-            self._drain_stop = threading.Event()
-            self._drainer = threading.Thread(target=_drain, args=(pending, self._drain_stop), daemon=True)
-            self._drainer.start()
+        """Between a Stepper's calls: keep the posted sends moving while this rank waits for the next call."""
+        self.state.sends = self.drainer.start(self.state.sends)
 
     def stop_draining(self) -> None:
-        if self._drainer is not None:
-            self._drain_stop.set()
-            self._drainer.join()
-            self._drainer = None
+        self.drainer.stop()
 
     def finish(self, wait_for_sends: bool = True) -> dict:
         """Complete the sends, average the gradients over the replicas, apply the optimizer; report the loss (last
         stage, mean over this replica's micro-batches) and the timed spans."""
         state = self.state
-        if wait_for_sends:
+        if wait_for_sends:  # on a GPU the compute stream waits, so the dp average's communicator runs after them
+            self.stop_draining()
             for request in state.sends:
                 request.wait()
         if self.dp_average is not None:
@@ -261,21 +269,23 @@ class StageExecutor:
     def evaluate(self, inputs, targets, loss_fn) -> float | None:
         """The loss of one batch without gradients (evaluation): the forward actions of this rank's list, in its
         order, each receive waited for at once. Keeping only the forward half of a list that lets every message
-        arrive removes waits and adds none, so this cannot hang where training does not. A new step epoch, so its
-        messages never match a training step's. Returns the mean over the micro-batches on the last stage, None on
-        the others."""
-        self.begin(self.shapes, inputs, targets, loss_fn)
+        arrive removes waits and adds none, so this cannot hang where training does not (on the torch transport
+        its own rounds: schedules/nccl.py checks them too). A new step epoch, so its messages never match a
+        training step's. Returns the mean over the micro-batches on the last stage, None on the others."""
+        self.begin(self.shapes, inputs, targets, loss_fn, walk="evaluation")
         state = self.state
         with torch.no_grad():
-            for a in self.program:
+            for a in state.walk.program:
+                self._post_ahead()
                 if a.kind == RECV_F:
-                    self._post_receive(a)
                     self._receive(a)
                 elif a.kind == FORWARD:
                     self._forward(a)
                     state.stage_inputs.pop((a.stage, a.microbatch))
                 elif a.kind == SEND_F:
                     self._send_activation(a)
+                state.position += 1
+            self._post_rounds(math.inf)
             for request in state.sends:
                 request.wait()
         state.sends = []
@@ -353,46 +363,70 @@ class StageExecutor:
                 p -= self.spec.pipedream_lr * g
 
     def _send_activation(self, a: Action) -> None:
-        y = self.state.stage_outputs[(a.stage, a.microbatch)]
-        self._send(y.detach(), a.matching())
+        self._send(a, self.state.stage_outputs[(a.stage, a.microbatch)].detach())
 
     def _send_gradient(self, a: Action) -> None:
         grad = self.state.grads_to_send.pop((a.stage, a.microbatch), None)
         if grad is None:
             raise RuntimeError(f"pipeline rank {self.spec.pipeline_rank}: {a} has no input gradient to send "
                                "(its backward has not run)")
-        self._send(grad, a.matching())
+        self._send(a, grad)
 
-    def _send(self, tensor: torch.Tensor, receive: Action) -> None:
-        peer = self._rank_of(receive.stage)
-        self.state.sends.append(self.transport.isend(tensor, peer, self._tag(receive)))
+    def _send(self, a: Action, tensor: torch.Tensor) -> None:
+        state = self.state
+        if state.walk.rounds is not None:  # torch: posted with the receives of its round
+            self._post_rounds(state.walk.ticks[state.position], send=(a, tensor))
+        else:
+            tag = message_tag(self.spec, self.epoch, a.matching(), self.transport.max_tag)
+            state.sends.append(self.transport.isend(tensor, self._rank_of(a.peer_stage()), tag))
 
     def _receive(self, a: Action) -> float:
-        buffer, request = self.state.received[a]
+        _, request = self.state.received[a]
         waited = time.perf_counter()
         request.wait()
         return time.perf_counter() - waited
 
-    def _post_receives(self, position: int) -> None:
-        """Post the irecv of the next few receive actions, so that messages land while we compute."""
-        posted = 0
-        for a in self.program[position:]:
-            if posted >= RECEIVE_LOOKAHEAD:
-                break
-            if a.kind not in (RECV_F, RECV_B):
-                continue
-            posted += 1
-            if a not in self.state.received:
-                self._post_receive(a)
+    def _post_ahead(self) -> None:
+        """Before the next action: MPI posts the irecv of the next few receives, so that messages land while we
+        compute; the torch transport posts every round before the action's tick."""
+        state = self.state
+        if state.walk.rounds is not None:
+            self._post_rounds(state.walk.ticks[state.position] - 1)
+            return
+        receives = (a for a in state.walk.program[state.position:] if a.kind in (RECV_F, RECV_B))
+        for a in itertools.islice(receives, RECEIVE_LOOKAHEAD):
+            if a not in state.received:
+                buffer, tag = self._buffer(a), message_tag(self.spec, self.epoch, a, self.transport.max_tag)
+                state.received[a] = (buffer, self.transport.irecv(buffer, self._rank_of(a.peer_stage()), tag))
 
-    def _post_receive(self, a: Action) -> None:
-        shape, dtype = self._message_shape(a)
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self.state.received[a] = (buffer, self.transport.irecv(buffer, self._rank_of(a.peer_stage()), self._tag(a)))
+    def _post_rounds(self, through: float, send: tuple | None = None) -> None:
+        """Torch transport: post the walk's rounds up to tick `through`, in order, each as one group of sends and
+        receives. `send`: (action, tensor) of the SEND being run, the one send a round may hold (its own tick)."""
+        state, rounds = self.state, self.state.walk.rounds
+        while rounds is not None and state.round < len(rounds) and rounds[state.round][0] <= through:
+            ops = []
+            for a in rounds[state.round][1]:
+                peer = self._rank_of(a.peer_stage())
+                if a.kind in (RECV_F, RECV_B):
+                    ops.append((False, self._buffer(a), peer))
+                elif send is not None and send[0] == a:
+                    ops.append((True, send[1], peer))
+                else:
+                    raise RuntimeError(f"pipeline rank {self.spec.pipeline_rank}: {a} is due in the round of tick "
+                                       f"{rounds[state.round][0]} but has not run")
+            request = self.transport.post(ops)
+            for a, (sending, tensor, _) in zip(rounds[state.round][1], ops):
+                if sending:
+                    state.sends.append(request)
+                else:
+                    state.received[a] = (tensor, request)
+            state.round += 1
 
-    def _message_shape(self, a: Action):
-        # an activation into stage s has stage s-1's output shape; a gradient into stage s has stage s's output's
-        return self.shapes[a.stage - 1 if a.kind == RECV_F else a.stage]
+    def _buffer(self, a: Action) -> torch.Tensor:
+        """Where receive `a` lands: an activation into stage s has stage s-1's output shape, a gradient into stage s
+        has stage s's output's."""
+        shape, dtype = self.shapes[a.stage - 1 if a.kind == RECV_F else a.stage]
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     # -- placement ----------------------------------------------------------------------------------------------
 
@@ -403,32 +437,9 @@ class StageExecutor:
     def _local(self, stage: int) -> bool:
         return stage in self.modules
 
-    def _tag(self, receive: Action) -> int:
-        """One tag per message: (pipeline, step epoch, direction, receiving stage, micro-batch). The pipeline and
-        the epoch keep a message left over by an interrupted step from matching a receive of a later one."""
-        stages, m = self.spec.stages, self.spec.microbatches
-        direction = 0 if receive.kind == RECV_F else 1
-        per_step = 2 * stages * m
-        within = (direction * stages + receive.stage) * m + receive.microbatch
-        steps = max(1, self.transport.max_tag // per_step)
-        return ((self.spec.number * TAG_EPOCHS + self.epoch % TAG_EPOCHS) * per_step + within) % (steps * per_step)
-
-    @staticmethod
-    def _abandon(state: StepState) -> None:
-        """Cancel the receives an interrupted step left posted (MPI would fill those buffers later)."""
-        for _, request in state.received.values():
-            cancel = getattr(request, "cancel", None)
-            if cancel is not None:
-                cancel()
-
 
 def _as_message(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A stage's output in the dtype its message was sized for (float32 under bf16 autocast: an autocast op's
     output may be bf16). The cast is part of the graph, so the gradient that comes back is cast back too."""
     return y.to(dtype) if y.is_floating_point() and dtype.is_floating_point and y.dtype != dtype else y
 
-
-def _drain(requests: list, stop: threading.Event) -> None:
-    while requests and not stop.is_set():
-        requests = [r for r in requests if not r.is_completed()]
-        time.sleep(0.0005)

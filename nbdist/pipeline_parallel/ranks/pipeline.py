@@ -20,6 +20,9 @@ from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
 from nbdist.pipeline_parallel.ranks.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
+from nbdist.schedules.actions import Action
+from nbdist.schedules.nccl import rank_walks
+from nbdist.schedules.schedule import Schedule
 from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.wire import restore
 
@@ -37,11 +40,12 @@ def setup(spec: StageSpec) -> str:
     average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
     _warm_up()
     transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
+    walks = _walks(spec, mesh) if spec.transport == "torch" else None
     modules = _modules(spec)
     if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (tensor_parallel/ranks/tensor_parallel.py)
         for stage, module in modules.items():
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
-    executor = StageExecutor(spec, modules, device, transport, average, restore(spec.optimizer))
+    executor = StageExecutor(spec, modules, device, transport, average, restore(spec.optimizer), walks)
     registry.put(KIND, spec.name, executor)
     return device.type
 
@@ -56,8 +60,11 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
 
     Every call, on every rank of the mesh (also one whose list is done), starts with a barrier: the notebook's
     requests reach the ranks one after another, and without it that skew would count as bubble. (It costs tens of
-    microseconds on one host.) Stepping (until_tick given), the other ranks may post the receives of our last sends
-    only at a later tick, so we do not wait for those sends here: `pause` keeps them moving.
+    microseconds on one host.) Stepping (until_tick given) on MPI, the other ranks may post the receives of our last
+    sends only at a later tick, so we do not wait for those sends here: `pause` keeps them moving. On the torch
+    transport every send's receive is posted within the call that sends it (rounds: schedules/nccl.py), so a rank
+    completes its sends before it finishes, and its gradients' average never shares the GPU with them (two NCCL
+    communicators in flight at once may deadlock).
     """
     from nbdist.cluster.ranks.boot import boot
 
@@ -76,7 +83,8 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
         executor.pause()
     if executor.done:
         if state.report is None:
-            state.report = {**executor.finish(wait_for_sends=not stepping), "rank": rank, "host": boot().host,
+            complete = not stepping or executor.posts_rounds
+            state.report = {**executor.finish(wait_for_sends=complete), "rank": rank, "host": boot().host,
                             "done": True}
         return {**state.report, "calls": list(state.calls)}
     spans = [s.as_tuple() for s in state.spans]
@@ -124,6 +132,19 @@ def close(name: str) -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
+
+
+def _walks(spec: StageSpec, mesh) -> dict:
+    """The torch transport's rounds need the whole schedule (a receive is posted in the round its sender sends it),
+    and a spec holds this rank's list only: the pipeline's ranks share theirs (collective over the pp group; every
+    rank runs setup) and each computes its walks from the same schedule (schedules/nccl.py: rank_walks)."""
+    programs = mesh.comm("pp").allgather(spec.program)
+    schedule = Schedule(spec.name, len(programs), spec.microbatches, spec.stages // len(programs),
+                        {r: [Action.parse(a) for a in acts] for r, acts in enumerate(programs)})
+    walks = rank_walks(schedule, spec.pipeline_rank)
+    if tuple(walks["step"][1]) != tuple(spec.ticks):
+        raise RuntimeError(f"pipeline rank {spec.pipeline_rank}: the ticks made here differ from the notebook's")
+    return walks
 
 
 def _modules(spec: StageSpec) -> dict[int, nn.Module]:
