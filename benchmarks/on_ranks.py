@@ -38,8 +38,8 @@ def nbdist_steps(args: tuple, k: int) -> dict:
 
 
 def _pair_groups(me, transport: str) -> dict | None:
-    """The torch transport sends over one process group per direction between neighbours (pipeline_parallel/ranks/pairs.py), made
-    once per mesh like a pipeline's (collective: every rank of the world runs pingpong)."""
+    """The torch transport sends over one process group per pipeline (pipeline_parallel/ranks/pairs.py), made once
+    per mesh like a pipeline's (collective: every rank of the world runs pingpong)."""
     if transport != "torch":
         return None
     name = f"bench-p2p-{me.mesh.name}"
