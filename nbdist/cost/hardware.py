@@ -31,7 +31,8 @@ against):
 - latencies (2 us within a host, 5 us across): the order of one step of an NCCL ring on these links; at the
   message sizes of training they hardly count.
 
-`planner.hardware(name)` (catalog.py) picks one; "local" is this machine's CPU engines, measured (local.py).
+`planner.hardware(name)` (catalog.py) picks one; "local" is the running cluster's engines (CPU or GPU), measured
+(local.py).
 Write your own profile with `Hardware(...)` and `Link(...)`, or `planner.hardware("h100-sxm", gpus_per_host=4)`.
 """
 from __future__ import annotations

@@ -15,9 +15,10 @@ def hardware(name: str, cluster=None, **changes) -> Hardware:
     """The named profile ("a100-80gb", "a100-40gb", "h100-sxm", "h200", or "local"), with `changes` applied
     (e.g. gpus_per_host=4, matmul_efficiency=0.7).
 
-    "local" is this machine's CPU engines. Without `cluster`, the measurements stored in planner/local.py (taken
-    on this machine, the command is in its docstring). With a running `cluster` (nbdist.start(n)), measured now on
-    it: a matmul probe on every engine at once and the α-β fit of a 2-rank all-reduce (takes a few seconds).
+    "local" is the running cluster's engines, CPU or GPU. Without `cluster`, the measurements stored in
+    planner/local.py (taken on this machine, the command is in its docstring). With a running `cluster`
+    (nbdist.start(n)), measured now on it, on each engine's device: a matmul probe on every engine at once and, with
+    two engines or more, the α-β fit of a 2-rank all-reduce (takes a few seconds).
     """
     one_of(name, NAMES, "hardware profile")
     if name == "local":
