@@ -234,21 +234,25 @@ def build_mlp(width: int = 64, layers: int = 4):
     return nn.Sequential(*body)
 
 
+FASTEST_FP32 = 100e12  # FLOP/s: faster than any one device's fp32 matmul (an H200's is 67 TFLOP/s dense, TF32 off)
+
+
 def test_a_sharded_steps_timeline_is_the_devices_time(engine):
-    """A compute-heavy step: its time on the device is most of the wall time of the call and fits inside it, and
-    its measured forward and backward spans cover most of it. (Host clocks around queued CUDA kernels time their
-    launches: a step of a millisecond in a call of a tenth of a second.)"""
-    width, rows = (4096, 16384) if engine.kind == "cuda" else (512, 2048)
+    """A compute-heavy step's time on the device is at least its FLOPs at a speed no device reaches, fits inside the
+    wall time of the call, and its forward and backward spans cover most of it. (Host clocks around queued CUDA
+    kernels time their launches: about a millisecond for a step of 1.6 TFLOP, 16 ms at least on any GPU.)"""
+    width, rows, layers = (4096, 4096, 4) if engine.kind == "cuda" else (512, 2048, 4)
     x, y = torch.randn(rows, width), torch.randn(rows, width)
-    model = nbdist.shard(lambda: build_mlp(width), dp=1, microbatches=2, cluster=engine.cluster).apply(sgd)
+    model = nbdist.shard(lambda: build_mlp(width, layers), dp=1, microbatches=2, cluster=engine.cluster).apply(sgd)
     try:
         model.step(x, y, torch.nn.functional.mse_loss)  # warm-up
         started = time.perf_counter()
         model.step(x, y, torch.nn.functional.mse_loss)
         wall = time.perf_counter() - started
         step = model.step_seconds()
+        least = 6 * width * width * rows * layers / FASTEST_FP32  # forward 2, backward 4 FLOPs per weight and row
         compute = sum(span.duration for row in model.timeline.spans.values() for span in row)
-        assert 0.5 * wall <= step <= wall, f"a step of {step:.4f} s in a call of {wall:.4f} s"
+        assert least <= step <= wall, f"a step of {step:.4f} s (at least {least:.4f} s) in a call of {wall:.4f} s"
         assert compute >= 0.5 * step, f"spans cover {compute:.4f} s of a {step:.4f} s step"
     finally:
         model.close()
