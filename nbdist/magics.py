@@ -33,7 +33,10 @@ class DistMagics(Magics):
     @argument("--cpu", action="store_true", help="CPU engines even where GPUs exist")
     @argument("--backend", default="auto", help="gloo or mpi (CPU engines; mpi: torch.distributed over MPI shared memory) or nccl (one GPU per engine, CPU tensors through gloo); default: nccl on GPUs, else mpi")
     @argument("--timeout", type=float, default=60.0, help="seconds the start-up may take")
-    @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "--hostfile hosts"')
+    @argument("--hosts", default="", help="start the engines on these hosts through ssh, e.g. a,b or a:2,b:2 (slots)")
+    @argument("--hostfile", default=None, help="MPI's host file: one host[:slots] per line (ssh)")
+    @argument("--iface", default=None, help="the network interface the hosts reach each other by, if several")
+    @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "-launcher-exec ./my-ssh"')
     @argument("--restart", action="store_true", help="replace a running cluster")
     @line_magic
     @_usage_errors
@@ -47,6 +50,9 @@ class DistMagics(Magics):
             backend=args.backend,
             timeout=args.timeout,
             mpi_args=tuple(shlex.split(args.mpi_args)),
+            hosts=args.hosts,
+            hostfile=args.hostfile,
+            iface=args.iface,
         )
         display(cluster.status())
 

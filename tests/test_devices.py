@@ -170,8 +170,8 @@ def test_option_contradictions_and_missing_gpus_are_refused():
 
 @pytest.mark.parametrize("mpi_args", [("-f", "hosts.txt"), ("--hostfile=hosts.txt",), ("-hosts", "a,b")])
 def test_several_hosts_without_n_are_refused_asking_for_n(mpi_args):
-    message = ("give -n when --mpi-args names hosts: nbdist counts the GPUs of this host only, not those of the "
-               "others")
+    message = ("give -n when the engines run on several hosts (--hosts, --hostfile or hosts in --mpi-args): nbdist "
+               "counts the GPUs of this host only, not those of the others")
     for cpu in (False, True):
         with pytest.raises(DistUsageError, match=f"^{re.escape(message)}$"):
             ClusterOptions(mpi_args=mpi_args, cpu=cpu).resolved(gpus=1)

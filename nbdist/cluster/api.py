@@ -391,11 +391,11 @@ def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Clu
     """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
 
     Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds),
-    mpi_args, collective_timeout. A running cluster is kept (a note says so) unless `restart=True`.
+    hosts ("a,b" or ["a:2", "b:2"]: engines on those hosts through ssh) or hostfile, iface (the network interface
+    between the hosts, where there are several), mpi_args (a list, or one string split as a shell would),
+    collective_timeout. A running cluster is kept (a note says so) unless `restart=True`.
     """
     global _current
-    if "mpi_args" in options:
-        options["mpi_args"] = tuple(options["mpi_args"])
     unknown = sorted(set(options) - ClusterOptions.names())
     if unknown:
         raise DistUsageError(f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(sorted(ClusterOptions.names()))}")

@@ -19,6 +19,7 @@ Each cluster runs in its own IPython profile directory, removed at stop (cluster
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -49,9 +50,13 @@ class Launched:
 _lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
 
 
-def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer) -> dict[str, str]:
+def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
+                        kernel_address: str) -> dict[str, str]:
+    from nbdist.cluster.ranks import addresses
+
     env = {
         **lifeline.environment(),
+        addresses.KERNEL_ADDRESS_ENV: kernel_address,  # rank 0 serves the rendezvous on its address toward it
         "NBDIST_BACKEND": options.backend,
         "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
         "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
@@ -59,6 +64,8 @@ def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.Lifel
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
         "PYTHONUNBUFFERED": "1",
     }
+    if options.iface:
+        env[addresses.IFACE_ENV] = options.iface
     env["PYTHONPATH"] = os.pathsep.join(_kernel_import_paths())
     return env
 
@@ -74,16 +81,18 @@ def _kernel_import_paths() -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
-def _new_cluster(options: ClusterOptions) -> ipp.Cluster:
+def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
     profile_dir = cluster_files.new_profile_dir(options)
     try:
-        return _ipp_cluster(options, profile_dir)
+        return _ipp_cluster(options, profile_dir, kernel_address)
     except BaseException:  # e.g. an error in the user's ipcluster_config.py
         shutil.rmtree(profile_dir, ignore_errors=True)
         raise
 
 
-def _ipp_cluster(options: ClusterOptions, profile_dir: str) -> ipp.Cluster:
+def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str) -> ipp.Cluster:
+    """The controller listens on loopback for engines on this host, and on the kernel's address toward the other
+    hosts when engines run there (its messages stay signed with the cluster's key, as ipyparallel signs them)."""
     return ipp.Cluster(
         profile_dir=profile_dir,
         cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
@@ -97,6 +106,7 @@ def _ipp_cluster(options: ClusterOptions, profile_dir: str) -> ipp.Cluster:
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            f"--IPController.ip={kernel_address}",
         ],
     )
 
@@ -111,19 +121,47 @@ def _tail(launcher, lines: int = 15) -> str:
 
 
 def _check_alive(cluster: ipp.Cluster) -> None:
-    """Raise with the process's own last words if the controller or the engines have exited."""
-    parts = [("controller", cluster.controller)] + [("engines", es) for es in cluster.engines.values()]
+    """Raise, in one line with the process's own first complaint, if the controller or mpiexec has exited. Asked
+    of the process itself: ipyparallel's own state changes only when its event loop runs, which a start waiting
+    here does not (an mpiexec that could not reach a host was noticed only when the whole timeout ran out)."""
+    parts = [("controller", cluster.controller)] + [("engines' mpiexec", es) for es in cluster.engines.values()]
     for name, launcher in parts:
-        if launcher is not None and launcher.state == "after":
-            raise DistError(f"the {name} exited during start-up:\n{_tail(launcher)}")
+        if launcher is not None and (launcher.state == "after" or _process_ended(getattr(launcher, "pid", None))):
+            raise DistError(f"the {name} exited during start-up: {_complaint(_tail(launcher))}")
+
+
+def _process_ended(pid: int | None) -> bool:
+    """Whether process `pid` (a child of this kernel) has exited: gone, or a zombie not yet reaped."""
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)")  # a Python traceback's last line
+
+
+def _complaint(output: str) -> str:
+    """The line of a launcher's output that says what went wrong: a rank's Python error (the last line of its
+    traceback, e.g. "DistUsageError: ..."), else the first line that is not Hydra's own trace ("[mpiexec@host] ...",
+    "[proxy:...] ..."), e.g. ssh's "connect to host ... No route to host"."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    if raised:
+        return raised[-1]
+    own = [line for line in lines if not line.startswith(("[mpiexec@", "[proxy:"))]
+    return (own or lines or ["(no output)"])[0]
 
 
 def start(options: ClusterOptions) -> Launched:
     """Start controller and engines, connect a client, wait until every engine has registered."""
-    cluster = _new_cluster(options)
+    kernel_address = options.kernel_address()
+    cluster = _new_cluster(options, kernel_address)
     deadline = time.monotonic() + options.timeout
     try:
-        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(options.multi_host())
+        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
         cluster.start_controller_sync(controller_cmd=watched + ["ipyparallel.controller"])
         cluster.start_engines_sync(
@@ -135,8 +173,8 @@ def start(options: ClusterOptions) -> Launched:
                 f"--IPEngine.wait_for_url_file={options.timeout}",
             ],
             mpi_cmd=[options.mpiexec()],
-            mpi_args=list(options.mpi_args),
-            environment=_engine_environment(options, lifeline),
+            mpi_args=options.launch_args(kernel_address),
+            environment=_engine_environment(options, lifeline, kernel_address),
         )
         client = cluster.connect_client_sync()
         while len(client.ids) < options.n:

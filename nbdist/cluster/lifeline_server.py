@@ -33,12 +33,6 @@ THREAD_NAME = "nbdist-lifeline-server"
 _TOKEN_LINE_LIMIT = 256  # a client that says more than this before a newline is not one of ours
 
 
-def reachable_host(multi_host: bool) -> str:
-    """The address to serve on, chosen as the engines' rendezvous chooses it: $NBDIST_MASTER_ADDR, else this
-    host's FQDN when engines run on other hosts, else the loopback address."""
-    return os.environ.get(MASTER_ADDR_ENV) or (socket.getfqdn() if multi_host else "127.0.0.1")
-
-
 class LifelineServer:
     """Holds the engines' lifeline connections for one cluster; `close()` ends them all and the thread."""
 
@@ -182,9 +176,9 @@ class LifelineServer:
         selector.close()
 
 
-def serve(multi_host: bool) -> LifelineServer:
-    """A lifeline server for one cluster, listening where the cluster's engines can reach it."""
-    host = reachable_host(multi_host)
+def serve(host: str) -> LifelineServer:
+    """A lifeline server for one cluster, listening on `host`, the address the cluster's engines reach the kernel
+    by (ClusterOptions.kernel_address)."""
     try:
         return LifelineServer(host)
     except OSError as e:

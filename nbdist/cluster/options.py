@@ -5,6 +5,7 @@ The kernel never touches CUDA: GPUs are counted through NVML (nvidia-ml-py), whi
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -69,6 +70,21 @@ class ClusterOptions:
     timeout: float = 60.0  # seconds the whole start-up may take
     mpi_args: tuple[str, ...] = field(default_factory=tuple)
     collective_timeout: float = 1800.0  # seconds a torch.distributed collective may wait
+    hosts: tuple[str, ...] = field(default_factory=tuple)  # ssh hosts, Hydra's form: "a", "a:2" (slots)
+    hostfile: str | None = None  # MPI's host file: one "host[:slots]" per line
+    iface: str | None = None  # the network interface the hosts reach each other by, where they have several
+
+    def __post_init__(self) -> None:
+        """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
+        hosts as one string ("a,b") at its commas."""
+        if isinstance(self.mpi_args, str):
+            object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
+        elif isinstance(self.mpi_args, list):
+            object.__setattr__(self, "mpi_args", tuple(self.mpi_args))
+        if isinstance(self.hosts, str):
+            object.__setattr__(self, "hosts", tuple(h.strip() for h in self.hosts.split(",") if h.strip()))
+        elif isinstance(self.hosts, list):
+            object.__setattr__(self, "hosts", tuple(self.hosts))
 
     @classmethod
     def names(cls) -> set[str]:
@@ -76,7 +92,34 @@ class ClusterOptions:
         return {f.name for f in fields(cls)} - {"n"}
 
     def multi_host(self) -> bool:
-        return any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+        return bool(self.hosts or self.hostfile) or any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+
+    def host_names(self) -> list[str]:
+        """The hosts named by --hosts or --hostfile, without their slot counts."""
+        if self.hosts:
+            return [h.split(":")[0] for h in self.hosts]
+        if self.hostfile:
+            with open(self.hostfile) as f:
+                lines = [line.split("#")[0].strip() for line in f]
+            return [line.split()[0].split(":")[0] for line in lines if line]
+        return []
+
+    def launch_args(self, kernel_address: str) -> list[str]:
+        """mpiexec's arguments for the hosts (Hydra's): where to start ranks, and the kernel's address for the
+        proxies to call back to (Hydra's own guess is this host's name, which the other hosts may not resolve)."""
+        args = ["-hosts", ",".join(self.hosts)] if self.hosts else (["-f", self.hostfile] if self.hostfile else [])
+        if self.multi_host():
+            args += ["-localhost", kernel_address]
+        return args + list(self.mpi_args)
+
+    def kernel_address(self) -> str:
+        """The address the engines reach the kernel by: loopback on one host; else this host's address toward the
+        named hosts (cluster/ranks/addresses.py), or the named interface's."""
+        from nbdist.cluster.ranks import addresses
+
+        if not self.multi_host():
+            return addresses.LOOPBACK
+        return addresses.address_toward(self.host_names(), self.iface)
 
     def threads_per_engine(self) -> int:
         return max(1, (os.cpu_count() or 1) // max(1, self.n or 1))
@@ -100,6 +143,7 @@ class ClusterOptions:
             raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
         if not all(isinstance(arg, str) for arg in self.mpi_args):
             raise DistUsageError(f"mpi_args must be strings, got {self.mpi_args!r}")
+        self._check_hosts()
         if not devices.wants_gpus(self.backend, self.cpu):
             gpus = 0
         elif gpus is None:
@@ -112,12 +156,25 @@ class ClusterOptions:
         self.mpiexec()
         return replace(self, n=n)
 
+    def _check_hosts(self) -> None:
+        """--hosts and --hostfile: one of them, names that resolve, a host file that exists."""
+        from nbdist.cluster.ranks import addresses
+
+        if self.hosts and self.hostfile:
+            raise DistUsageError("give --hosts or --hostfile, not both")
+        if self.hostfile and not os.path.isfile(self.hostfile):
+            raise DistUsageError(f"--hostfile {self.hostfile!r}: no such file")
+        if self.multi_host() and (self.hosts or self.hostfile) and not self.host_names():
+            raise DistUsageError(f"--hostfile {self.hostfile!r} names no host")
+        for host in self.host_names():
+            addresses.resolve(host)
+
     def _engine_count(self, gpus: int) -> int:
         """-n, or one engine per GPU, else DEFAULT_CPU_ENGINES. On several hosts nbdist cannot count the others'
         GPUs (NVML sees this host only), so there -n is required."""
         if self.n is None and self.multi_host():
-            raise DistUsageError("give -n when --mpi-args names hosts: nbdist counts the GPUs of this host only, "
-                                 "not those of the others")
+            raise DistUsageError("give -n when the engines run on several hosts (--hosts, --hostfile or hosts in "
+                                 "--mpi-args): nbdist counts the GPUs of this host only, not those of the others")
         n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
         whole_number(n, "-n")
         return n

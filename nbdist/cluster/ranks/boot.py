@@ -37,16 +37,28 @@ class RankInfo:
 def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
     """torch.distributed's key-value store for the rendezvous: rank 0 serves it on a port the OS picks while it
     binds (no port chosen first and bound later, which another process may take in between), and everyone learns
-    that port over MPI."""
+    its address and port over MPI: rank 0's own address toward the kernel, which every host reaches (the kernel's
+    address would not do: the store runs where rank 0 runs)."""
     from torch.distributed import TCPStore
 
     store, address = None, None
     if comm.rank == 0:
-        host = os.environ.get("NBDIST_MASTER_ADDR") or ("127.0.0.1" if single_host else socket.getfqdn())
+        host = "127.0.0.1" if single_host else _address_for_the_others()
         store = TCPStore(host, 0, comm.size, True, timeout, wait_for_workers=False)
         address = (host, store.port)
     host, port = comm.bcast(address, root=0)
     return store if store is not None else TCPStore(host, port, comm.size, False, timeout)
+
+
+def _address_for_the_others() -> str:
+    """Rank 0's address that ranks on other hosts reach it by: the named interface's, else its route toward the
+    kernel (whose address the kernel gives every engine), else its host name."""
+    from nbdist.cluster.ranks import addresses
+
+    if os.environ.get(addresses.IFACE_ENV):
+        return addresses.interface_address(os.environ[addresses.IFACE_ENV])
+    kernel = os.environ.get(addresses.KERNEL_ADDRESS_ENV)
+    return addresses.route_toward(kernel) if kernel and kernel != addresses.LOOPBACK else socket.getfqdn()
 
 
 def _visible_gpus(requested: str, cpu: bool) -> int:

@@ -1,0 +1,143 @@
+"""Engines on several hosts through ssh (issue 21), on real hosts made by the test: network namespaces with their
+own addresses and host names, each running a real sshd (tests/hosts.py), and MPICH's Hydra launching over ssh.
+
+The claims: `nbdist.start(hosts=...)` forms one world over both hosts with no variable passed by hand (the
+controller, the lifeline and Hydra's proxies reach the kernel at its address toward the hosts; the process-group
+rendezvous is served at rank 0's own address); collectives and a pipeline across the hosts give one process's
+results; stop leaves nothing on any host; a name that does not resolve, or a host that cannot be reached, is one
+line within seconds, and nothing is left running.
+
+Where hosts cannot be made (not root, no network namespaces, no sshd) the tests skip saying why, unless
+NBDIST_REQUIRE_HOSTS=1 (CI sets it), where that is a failure.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+from hosts import HostsUnavailable, SshHosts
+from test_device_paths import adam, data_fn, model_fn, serial, worst
+
+import nbdist
+from nbdist import models
+from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistError, DistUsageError
+
+pytestmark = pytest.mark.multihost
+
+START_TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        made = SshHosts(2).__enter__()
+    except HostsUnavailable as why:
+        if os.environ.get("NBDIST_REQUIRE_HOSTS") == "1":
+            pytest.fail(f"hosts cannot be made here, and NBDIST_REQUIRE_HOSTS=1: {why}")
+        pytest.skip(f"hosts cannot be made here: {why}")
+    yield made
+    made.close()
+
+
+def start_on(hosts: SshHosts, slots: int, **options) -> nbdist.Cluster:
+    return nbdist.Cluster(ClusterOptions(n=slots * len(hosts.hosts), hosts=hosts.names(slots),
+                                         mpi_args=hosts.mpi_args, cpu=True, timeout=START_TIMEOUT,
+                                         **options)).start()
+
+
+@pytest.fixture(scope="module")
+def world(hosts):
+    """2 hosts × 2 CPU engines."""
+    cluster = start_on(hosts, 2)
+    yield cluster
+    cluster.stop()
+
+
+def on_rank_sums() -> dict:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    rank = dist.get_rank()
+    t = torch.arange(3, dtype=torch.float32) + 10 * rank
+    dist.all_reduce(t)
+    return {"host": socket.gethostname(), "torch": t.tolist(), "mpi": MPI.COMM_WORLD.allreduce(rank),
+            "backend": str(dist.get_backend())}
+
+
+def test_two_hosts_form_one_world_with_nothing_passed_by_hand(world, hosts):
+    names = [h.name for h in hosts.hosts]
+    assert world.hosts == [names[0], names[0], names[1], names[1]]
+    assert [row["host"] for row in world.status().rows] == world.hosts
+    got = world.run(on_rank_sums)
+    n = world.world_size
+    want = [float(sum(i + 10 * r for r in range(n))) for i in range(3)]
+    assert [g["host"] for g in got] == world.hosts
+    assert all(g["torch"] == want and g["mpi"] == n * (n - 1) // 2 and g["backend"] == "mpi4py" for g in got), got
+
+
+def test_a_pipeline_across_the_hosts_trains_like_one_process(world):
+    """dp × pp = 2 × 2: the pipeline's stages on different hosts, each stage's replicas on one host."""
+    tr = nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=world, batch_size=8, live=False,
+                        plan={"dp": 2, "pp": 2, "microbatches": 2})
+    try:
+        mesh = tr.plan.layout.mesh()
+        stages = {world.hosts[r]: mesh.coords(r)["pp"] for r in range(world.world_size)}
+        assert len(set(stages.values())) == 2, f"each host should hold one stage: {stages}"
+        tr.fit(steps=3)
+        assert worst(tr.state_dict(), serial(3)) <= 1e-5
+    finally:
+        tr.close()
+
+
+def test_stop_leaves_nothing_on_any_host(hosts):
+    before = {h.name: set(hosts.engine_pids(h)) for h in hosts.hosts}  # the module's other cluster, if running
+    cluster = start_on(hosts, 1)
+    ours = {h.name: set(hosts.engine_pids(h)) - before[h.name] for h in hosts.hosts}
+    assert all(ours.values()), f"the engines should run inside the hosts: {ours}"
+    profile = cluster._launched.cluster.profile_dir
+    started = time.monotonic()
+    cluster.stop()
+    stopped = time.monotonic() - started
+    deadline = time.monotonic() + 5
+
+    def left() -> dict:
+        return {h.name: set(hosts.engine_pids(h)) & ours[h.name] for h in hosts.hosts}
+
+    while any(left().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(left().values()), f"left after stop: {left()}"
+    assert not os.path.exists(profile)
+    assert stopped < 5, stopped
+
+
+def _children() -> list[str]:
+    return sorted(p.name() for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+
+
+def test_a_name_that_does_not_resolve_is_one_line_before_anything_starts(hosts):
+    before = _children()
+    with pytest.raises(DistUsageError, match=r"^host 'no-such-host\.invalid' cannot be resolved") as refused:
+        nbdist.Cluster(ClusterOptions(n=2, hosts="no-such-host.invalid", cpu=True)).start()
+    assert "\n" not in str(refused.value)
+    assert _children() == before
+
+
+def test_an_unreachable_host_is_one_line_within_seconds_and_nothing_is_left(hosts):
+    missing = f"{hosts.subnet}.250"  # in the hosts' subnet, where no host answers
+    before, on_host = _children(), set(hosts.engine_pids(hosts.hosts[0]))
+    started = time.monotonic()
+    with pytest.raises(DistError) as failed:
+        nbdist.Cluster(ClusterOptions(n=2, hosts=f"{missing}:1,{hosts.hosts[0].address}:1", cpu=True,
+                                      mpi_args=hosts.mpi_args, timeout=START_TIMEOUT)).start()
+    took = time.monotonic() - started
+    line = str(failed.value)
+    assert line.startswith("the engines' mpiexec exited during start-up: ssh: connect to host " + missing), line
+    assert "\n" not in line and took < 20, (took, line)
+    assert _children() == before
+    assert set(hosts.engine_pids(hosts.hosts[0])) <= on_host
