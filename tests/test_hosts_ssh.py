@@ -141,3 +141,46 @@ def test_an_unreachable_host_is_one_line_within_seconds_and_nothing_is_left(host
     assert "\n" not in line and took < 20, (took, line)
     assert _children() == before
     assert set(hosts.engine_pids(hosts.hosts[0])) <= on_host
+
+
+def on_rank_fail_or_wait(failing: int) -> str:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == failing:
+        raise ValueError("broken on purpose")
+    dist.all_reduce(torch.ones(1))  # waits for the failed rank forever, unless interrupted
+    return f"{os.getpid()}"
+
+
+def on_rank_pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def test_ranks_waiting_on_the_other_host_are_interrupted_and_the_cluster_stays(world):
+    """Rank 0 (first host) fails; ranks 2 and 3 (second host) wait for it in a collective: the kernel interrupts
+    them through their lifelines (it cannot signal processes on another host), and the same engines run on."""
+    pids = world.run(on_rank_pid)
+    with pytest.raises(DistError, match=r"rank 0 raised ValueError: broken on purpose.*interrupted rank\(s\) 1, 2, 3, "
+                                        r"which then stopped") as failed:
+        world.run(on_rank_fail_or_wait, 0, timeout=60)
+    assert "\n" not in str(failed.value)
+    assert world.run(on_rank_pid) == pids  # freed, not restarted
+    assert world.run(on_rank_sums)[0]["mpi"] == 6
+
+
+def test_the_stop_button_reaches_ranks_on_the_other_host(world):
+    tr = nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=world, batch_size=8, live=False)
+    try:
+        run = tr.fit(steps=100_000, wait=False)
+        time.sleep(3)
+        history = run.stop()
+        steps = {r["step"] for r in history}
+        assert history and tr.step == max(steps) + 1 < 100_000
+        assert all(set(r["ranks"]) == {0, 1, 2, 3} for r in history)
+    finally:
+        tr.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import atexit
 import html
 import itertools
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -214,7 +216,22 @@ class Cluster:
             after_failure=self._back_in_step,
             death=self._death_watch().check,
             after_death=self._after_death,
+            signal_rank=self.signal_rank,
         )
+
+    def signal_rank(self, rank: int, number: int) -> bool:
+        """Send signal `number` to rank `rank`'s engine, on this host (kill) or on another (down its lifeline to the
+        kernel, which raises it there): the kernel's interrupts and stop requests reach every host. False when the
+        engine is gone."""
+        row = self._info[rank]
+        if row["host"] == socket.gethostname():
+            try:
+                os.kill(row["pid"], number)
+            except ProcessLookupError:
+                return False
+            return True
+        server = launch.lifeline_of(self._launched.cluster) if self._launched is not None else None
+        return server is not None and server.signal(row["host"], row["pid"], int(number))
 
     def _death_watch(self) -> DeathWatch:
         engines = next(iter(self._require_running().cluster.engines.values()), None)

@@ -240,6 +240,11 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
     _close_lifeline(cluster)
 
 
+def lifeline_of(cluster: ipp.Cluster) -> lifeline_server.LifelineServer | None:
+    """The cluster's lifeline server: the line to its engines on other hosts."""
+    return _lifelines.get(id(cluster))
+
+
 def _close_lifeline(cluster: ipp.Cluster) -> None:
     """After the processes: closing first would end the remote engines' lifelines, racing our own kills."""
     server = _lifelines.pop(id(cluster), None)

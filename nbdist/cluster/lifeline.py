@@ -7,7 +7,8 @@ Two ways to notice, chosen by host name (the kernel's travels in the environment
 - on the kernel's host, watch its pid: a pidfd makes that instant (elsewhere we poll);
 - on another host that pid means nothing, so hold a TCP connection to the kernel's lifeline server
   (cluster/lifeline_server.py) instead: the OS closes the kernel's sockets when it dies, even by SIGKILL, and the
-  connection's end is the signal. A random token in the environment tells a lifeline from a stray connection.
+  connection's end is the signal. A random token in the environment tells a lifeline from a stray connection. The
+  same connection brings the kernel's signals to a process on another host (a signal number per line).
 
 Before it ends its process, a lifeline on the kernel's host also removes the cluster's own profile directory
 (connection files, logs), which a SIGKILLed kernel cannot remove itself: a directory is removed only if its owner
@@ -138,7 +139,7 @@ def _connect(address: str, token: str) -> socket.socket:
                          f"is NBDIST_MASTER_ADDR, in the kernel, an address this host can reach?")
             time.sleep(0.2)
     try:
-        sock.sendall(token.encode() + b"\n")
+        sock.sendall(f"{token} {socket.gethostname()} {os.getpid()}\n".encode())  # whose line this is
     except OSError:
         pass  # the answer (none) says what happened
     answer = _first_words(sock)
@@ -152,10 +153,17 @@ def _connect(address: str, token: str) -> socket.socket:
 
 
 def _exit_when_closed(address: str, token: str, pid: int | None) -> None:
+    """Hold the lifeline until the server closes it; each line the server sends is a signal's number, raised in
+    this process (the kernel interrupting a rank on another host, or asking it to stop)."""
     sock = _connect(address, token)
+    pending = b""
     try:
-        while sock.recv(4096):  # the server never speaks again: any return is its end
-            pass
+        while data := sock.recv(4096):
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if line.strip().isdigit():
+                    os.kill(os.getpid(), int(line))
     except OSError:
         pass
     _end(pid, on_kernel_host=False)

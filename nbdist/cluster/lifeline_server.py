@@ -9,6 +9,11 @@ The server runs for every cluster, single-host ones too: `--mpi-args` is not the
 over hosts (a hostfile in Hydra's environment, a batch allocation), so only the engines know where they run, and
 each chooses by comparing host names. On one host it costs a thread that waits and a socket nobody connects to.
 
+The line back to an engine carries signals too: the kernel cannot signal a process on another host, so to
+interrupt a rank there (a failed peer left it waiting; the user pressed stop) `signal(host, pid, number)` writes the
+signal's number down that rank's lifeline, and the lifeline thread raises it in its own process, as a local
+`kill` would. Each lifeline says its host and pid after the token, so the server knows whose line is whose.
+
 Connections that do not say the cluster's token within a few seconds are closed: a port scanner or a stray client
 is never taken for a lifeline. Sockets made in Python are not inherited by child processes (PEP 446), so mpiexec
 and the controller never hold the kernel's end open after the kernel has died.
@@ -45,6 +50,7 @@ class LifelineServer:
         self._wake_read, self._wake_write = socket.socketpair()
         self._pending: dict[socket.socket, tuple[float, bytes]] = {}  # no token yet: (deadline, what it said so far)
         self._held: set[socket.socket] = set()
+        self._by_process: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that process's lifeline
         self._lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name=THREAD_NAME)
@@ -67,6 +73,19 @@ class LifelineServer:
         """How many lifelines (connections that said the token) are held now."""
         with self._lock:
             return len(self._held)
+
+    def signal(self, host: str, pid: int, number: int) -> bool:
+        """Ask process `pid` on `host` (one that holds a lifeline) to raise signal `number` in itself; False when no
+        such lifeline is held (the process is on the kernel's host, or gone)."""
+        with self._lock:
+            conn = self._by_process.get((host, pid))
+        if conn is None:
+            return False
+        try:
+            conn.send(f"{number}\n".encode())  # a few bytes into a nearly empty send buffer: never blocks
+        except OSError:
+            return False
+        return True
 
     @property
     def serving(self) -> bool:
@@ -137,7 +156,8 @@ class LifelineServer:
                 with self._lock:
                     self._pending[conn] = (deadline, said)
             return
-        if not hmac.compare_digest(said.split(b"\n", 1)[0], self.token.encode()):
+        token, _, who = said.split(b"\n", 1)[0].partition(b" ")
+        if not hmac.compare_digest(token, self.token.encode()):
             self._drop(selector, conn)
             return
         try:
@@ -148,6 +168,9 @@ class LifelineServer:
         with self._lock:
             del self._pending[conn]
             self._held.add(conn)
+            host, _, pid = who.decode(errors="replace").partition(" ")
+            if pid.isdigit():
+                self._by_process[(host, int(pid))] = conn
 
     def _drop_late(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -160,6 +183,8 @@ class LifelineServer:
         with self._lock:
             self._pending.pop(conn, None)
             self._held.discard(conn)
+            for key in [k for k, held in self._by_process.items() if held is conn]:
+                del self._by_process[key]
         try:
             selector.unregister(conn)
         except (KeyError, ValueError):
@@ -171,6 +196,7 @@ class LifelineServer:
             conns = list(self._pending) + list(self._held)
             self._pending.clear()
             self._held.clear()
+            self._by_process.clear()
         for sock in conns + [self._listener, self._wake_read, self._wake_write]:
             sock.close()
         selector.close()

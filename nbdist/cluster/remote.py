@@ -2,8 +2,8 @@
 
 An exception on one rank often leaves the others waiting forever in a collective (gloo and NCCL waits cannot be
 interrupted by SIGINT). So while we wait we watch each rank: once one has failed, the others get a short grace
-period; whoever is still running then is interrupted (SIGINT), and if that does not free it the engines are
-restarted. The same happens on a timeout and on the kernel's interrupt. The user is told exactly what was done.
+period; whoever is still running then is interrupted (SIGINT: a local signal on the kernel's host, sent down the
+rank's lifeline on any other host), and if that does not free it the engines are restarted. The same happens on a timeout and on the kernel's interrupt. The user is told exactly what was done.
 """
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ class Waiter:
     after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
     death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
     after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
+    signal_rank: Callable[[int, int], None] | None = None  # send rank r signal s, on any host (Cluster.signal_rank)
     _restarted: bool = False
 
     def wait(self) -> list:
@@ -213,10 +214,13 @@ class Waiter:
         return "so nbdist restarted the engines: fresh processes and process group, engine variables lost"
 
     def _interrupt(self, ranks: Sequence[int]) -> None:
-        here = socket.gethostname()
+        """SIGINT to each rank, on this host or another (through its lifeline: Cluster.signal_rank)."""
         for rank in ranks:
+            if self.signal_rank is not None:
+                self.signal_rank(rank, signal.SIGINT)
+                continue
             host, pid = self.pids[rank]
-            if host == here:
+            if host == socket.gethostname():
                 try:
                     os.kill(pid, signal.SIGINT)
                 except ProcessLookupError:

@@ -18,7 +18,6 @@ import itertools
 import math
 import os
 import signal
-import socket
 import sys
 from dataclasses import fields, replace
 from typing import Callable
@@ -200,13 +199,8 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Ask every rank to stop after the step it is in (what the stop button does while fit waits)."""
-        here = socket.gethostname()
-        for row in self.cluster._info:
-            if row["host"] == here:
-                try:
-                    os.kill(row["pid"], on_ranks.STOP_SIGNAL)
-                except ProcessLookupError:
-                    pass
+        for rank in range(self.cluster.world_size):  # on every host (Cluster.signal_rank)
+            self.cluster.signal_rank(rank, on_ranks.STOP_SIGNAL)
 
     def _steps(self, steps, epochs) -> int:
         if (steps is None) == (epochs is None):
