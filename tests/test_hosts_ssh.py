@@ -13,7 +13,10 @@ NBDIST_REQUIRE_HOSTS=1 (CI sets it), where that is a failure.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -184,3 +187,81 @@ def test_the_stop_button_reaches_ranks_on_the_other_host(world):
         assert all(set(r["ranks"]) == {0, 1, 2, 3} for r in history)
     finally:
         tr.close()
+
+
+def on_rank_sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def _nbdist_pids(hosts: SshHosts) -> set[int]:
+    return {p for h in hosts.hosts for p in hosts.engine_pids(h) if "nbdist" in _command(p)}
+
+
+def test_engines_killed_on_one_host_are_named_with_their_rank_and_host(hosts):
+    before = _nbdist_pids(hosts)  # the module's other cluster, if running
+    cluster = start_on(hosts, 1)
+    try:
+        victim = hosts.hosts[1]
+        ranks = [p for p in set(hosts.engine_pids(victim)) - before if "nbdist.cluster.ranks.main" in _command(p)]
+        assert len(ranks) == 1, ranks
+        threading.Timer(1.0, os.kill, (ranks[0], signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(DistError) as died:
+            cluster.run(on_rank_sleep, 60, timeout=90)
+        line = str(died.value)
+        assert f"rank 1 (pid {ranks[0]} on {victim.name}) died" in line, line
+        assert time.monotonic() - started < 15 and "\n" not in line
+    finally:
+        cluster.stop()
+    assert not _nbdist_pids(hosts) - before
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+KERNEL = """
+import json, sys, nbdist
+from nbdist.cluster.options import ClusterOptions
+hosts, mpi_args = sys.argv[1], json.loads(sys.argv[2])
+cluster = nbdist.Cluster(ClusterOptions(n=2, hosts=hosts, mpi_args=tuple(mpi_args), cpu=True, timeout=120)).start()
+print(json.dumps(cluster.run(lambda: __import__("os").getpid())), flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_killing_the_kernel_leaves_nothing_on_any_host_within_15_s(hosts):
+    import json
+    import subprocess
+    import sys
+
+    before = _nbdist_pids(hosts)
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, hosts.names(1), json.dumps(list(hosts.mpi_args))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        engines = json.loads(kernel.stdout.readline())
+        assert set(engines) <= _nbdist_pids(hosts) - before, engines
+        descendants = psutil.Process(kernel.pid).children(recursive=True)
+        kernel.kill()
+        killed = time.monotonic()
+        while (_nbdist_pids(hosts) - before or any(_running(p) for p in descendants)) \
+                and time.monotonic() - killed < 15:
+            time.sleep(0.1)
+        left = _nbdist_pids(hosts) - before
+        local = [p.pid for p in descendants if _running(p)]
+        assert not left and not local, f"{time.monotonic() - killed:.1f} s after the kernel died: {left} {local}"
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

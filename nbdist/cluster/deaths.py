@@ -49,12 +49,16 @@ class DeathWatch:
         """Name the rank that died (Hydra's word first; else the first seen dead) and what killed it."""
         if reported is not None:
             rank, cause = reported
-            return f"rank {rank} (pid {self.pids[rank][1]}) died{cause}, which ends the whole MPI job"
+            return f"rank {rank} ({self._where(rank)}) died{cause}, which ends the whole MPI job"
         if len(self.first_seen) == 1:
             first = self.first_seen[0]
-            return f"rank {first} (pid {self.pids[first][1]}) died, which ends the whole MPI job"
+            return f"rank {first} ({self._where(first)}) died, which ends the whole MPI job"
         ranks = ", ".join(map(str, self.first_seen))
         return f"ranks {ranks} died together (which went first, mpiexec did not say), which ends the whole MPI job"
+
+    def _where(self, rank: int) -> str:
+        host, pid = self.pids[rank]
+        return f"pid {pid} on {host}"
 
     def _await_hydra(self, seconds: float = 1.0) -> tuple[int, str] | None:
         deadline = time.monotonic() + seconds
