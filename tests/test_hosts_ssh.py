@@ -265,3 +265,9 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_mesh_keeps_tensor_parallel_groups_within_a_host_and_says_so(world):
+    mesh = world.mesh(pp=2, tp=2)
+    assert mesh.spans("tp") == "within a host" and mesh.spans("pp") == "across hosts"
+    assert str(mesh).splitlines()[0].endswith("; pp groups across hosts, tp groups within a host")

@@ -359,7 +359,7 @@ class Cluster:
         planned = layout(self.world_size, **dims)
         name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
         if name not in self.meshes:  # building is collective over every rank
-            built = Mesh(planned.dims, planned.world_size, name=name, generation=self.generation)
+            built = Mesh(planned.dims, planned.world_size, name, self.generation, tuple(self.hosts))
             self.run(rank_mesh.build, built)
             self.meshes[name] = built
         return self.meshes[name]

@@ -37,6 +37,7 @@ class Mesh:
     world_size: int
     name: str = ""  # the mesh's name on the engines, once built there
     generation: int | None = None  # which start of the cluster it was built on (a restart makes it stale)
+    hosts: tuple[str, ...] | None = None  # each rank's host, once built on a cluster (where the groups lie)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -95,6 +96,14 @@ class Mesh:
         """Which of `groups(dim)` holds `rank` (e.g. for dim="pp": which replica's pipeline)."""
         return next((i for i, g in enumerate(self.groups(dim)) if rank in g), None)
 
+    def spans(self, dim: str) -> str | None:
+        """Where `dim`'s groups lie: "within a host" (every group's ranks share one), "across hosts", or None when
+        the hosts are not known or the mesh is on one host."""
+        if self.hosts is None or len(set(self.hosts[: self.size])) < 2:
+            return None
+        within = all(len({self.hosts[r] for r in group}) == 1 for group in self.groups(dim))
+        return "within a host" if within else "across hosts"
+
     def _known(self, dim: str) -> str:
         if dim not in self.names:
             raise DistUsageError(f"the mesh has no dimension {dim!r}: it has {', '.join(self.names)}")
@@ -114,8 +123,10 @@ class Mesh:
     def _headline(self) -> str:
         shape = " × ".join(f"{name}={size}" for name, size in self.dims)
         unused = self.world_size - self.size
+        where = [f"{name} groups {self.spans(name)}" for name, size in self.dims if size > 1 and self.spans(name)]
         return f"mesh {self.name or '(not built)'}: {shape} on {self.size} ranks" + (
-            f" ({unused} of the {self.world_size} ranks outside it)" if unused else "")
+            f" ({unused} of the {self.world_size} ranks outside it)" if unused else "") + (
+            f"; {', '.join(where)}" if where else "")
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(n)}</th>" for n in ("rank", *self.names))
