@@ -26,6 +26,20 @@ def _usage_errors(method):
     return wrapper
 
 
+def _slurm_choice(args) -> dict | bool | None:
+    """--slurm and its options as nbdist.start's `slurm`: True (the current allocation, or one node), or the
+    request's choices; asking for nodes without --slurm is refused."""
+    request = {name: getattr(args, name) for name in ("nodes", "tasks_per_node", "gpus_per_node", "partition", "time",
+                                                        "account") if getattr(args, name) is not None}
+    if args.salloc_args:
+        request["salloc_args"] = args.salloc_args
+    if request and not args.slurm:
+        raise DistUsageError(f"--{next(iter(request)).replace('_', '-')} is a Slurm choice: add --slurm")
+    if not args.slurm:
+        return None
+    return request or True
+
+
 @magics_class
 class DistMagics(Magics):
     @magic_arguments()
@@ -36,6 +50,15 @@ class DistMagics(Magics):
     @argument("--hosts", default="", help="start the engines on these hosts through ssh, e.g. a,b or a:2,b:2 (slots)")
     @argument("--hostfile", default=None, help="MPI's host file: one host[:slots] per line (ssh)")
     @argument("--iface", default=None, help="the network interface the hosts reach each other by, if several")
+    @argument("--slurm", action="store_true", help="engines in a Slurm allocation: the current one, or one asked for "
+              "with --nodes and the options below (given back at %%dist_stop or when the kernel dies)")
+    @argument("--nodes", type=int, default=None, help="Slurm: nodes to ask for")
+    @argument("--tasks-per-node", type=int, default=None, help="Slurm: engines per node (default: GPUs per node, or 1)")
+    @argument("--gpus-per-node", type=int, default=None, help="Slurm: GPUs per node")
+    @argument("--partition", default=None, help="Slurm: partition")
+    @argument("--time", default=None, help="Slurm: time limit, e.g. 01:00:00")
+    @argument("--account", default=None, help="Slurm: account")
+    @argument("--salloc-args", default="", help="Slurm: more salloc arguments, as one string")
     @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "-launcher-exec ./my-ssh"')
     @argument("--restart", action="store_true", help="replace a running cluster")
     @line_magic
@@ -53,6 +76,7 @@ class DistMagics(Magics):
             hosts=args.hosts,
             hostfile=args.hostfile,
             iface=args.iface,
+            slurm=_slurm_choice(args),
         )
         display(cluster.status())
 

@@ -50,7 +50,7 @@ from nbdist.cluster.options import ClusterOptions
 TESTS = Path(__file__).resolve().parent
 NEEDS = ("cluster", "browser", "notebook", "gpu", "multihost")  # what `fast` is the absence of
 MODULE_NEEDS = {"test_browser.py": "browser", "test_notebooks.py": "notebook", "test_lifeline_hosts.py": "multihost",
-                "test_hosts_ssh.py": "multihost"}
+                "test_hosts_ssh.py": "multihost", "test_hosts_slurm.py": "multihost"}
 SHARED_FIXTURES = {"cluster": 2, "cluster4": 4}
 
 # What the code a test runs says about it (matched on the source without decorators, strings included: code sent to

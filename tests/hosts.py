@@ -48,6 +48,41 @@ class HostsUnavailable(RuntimeError):
     """Hosts cannot be made here (not root, no network namespaces, no sshd): the reason, in one line."""
 
 
+def made_or_skip(make):
+    """`make()` entered, for a module fixture; where it cannot be made, the test skips saying why, or fails under
+    NBDIST_REQUIRE_HOSTS=1 (CI: these tests must run there)."""
+    import pytest
+
+    try:
+        return make().__enter__()
+    except HostsUnavailable as why:
+        if os.environ.get("NBDIST_REQUIRE_HOSTS") == "1":
+            pytest.fail(f"cannot be made here, and NBDIST_REQUIRE_HOSTS=1: {why}")
+        pytest.skip(f"cannot be made here: {why}")
+
+
+class Made:
+    """Something a test makes and must remove: `_make()` on entering (what was made is removed again if it fails),
+    `close()` on leaving."""
+
+    def __enter__(self):
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class Host:
     name: str  # its host name (what `hostname` says there, and what nbdist reports)
@@ -60,7 +95,7 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @dataclass
-class SshHosts:
+class SshHosts(Made):
     """`count` hosts with sshd, made on entering and removed on leaving (also after a failed start)."""
 
     count: int = 2
@@ -78,24 +113,15 @@ class SshHosts:
 
     # -- making and removing ------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> SshHosts:
+    def _make(self) -> None:
         why = self.unavailable()
         if why:
-            shutil.rmtree(self.folder, ignore_errors=True)
             raise HostsUnavailable(why)
-        try:
-            self._keys()
-            self._network()
-            for host in self.hosts:
-                self._sshd(host)
-            self._wait_for_sshd()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._keys()
+        self._network()
+        for host in self.hosts:
+            self._sshd(host)
+        self._wait_for_sshd()
 
     @staticmethod
     def unavailable() -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from hosts import HostsUnavailable, SshHosts
+from hosts import SshHosts, made_or_skip
 from test_device_paths import adam, data_fn, model_fn, serial, worst
 
 import nbdist
@@ -35,12 +35,7 @@ START_TIMEOUT = 120.0
 
 @pytest.fixture(scope="module")
 def hosts():
-    try:
-        made = SshHosts(2).__enter__()
-    except HostsUnavailable as why:
-        if os.environ.get("NBDIST_REQUIRE_HOSTS") == "1":
-            pytest.fail(f"hosts cannot be made here, and NBDIST_REQUIRE_HOSTS=1: {why}")
-        pytest.skip(f"hosts cannot be made here: {why}")
+    made = made_or_skip(lambda: SshHosts(2))
     yield made
     made.close()
 

@@ -30,7 +30,7 @@ import ipyparallel as ipp
 import psutil
 
 from nbdist.cluster import files as cluster_files
-from nbdist.cluster import lifeline_server
+from nbdist.cluster import lifeline_server, slurm
 from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistError
 
@@ -48,6 +48,7 @@ class Launched:
 
 
 _lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
+_allocations: dict[int, slurm.Allocation] = {}  # id(ipp.Cluster) -> the Slurm allocation it runs in (--slurm)
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -156,10 +157,19 @@ def _complaint(output: str) -> str:
 
 
 def start(options: ClusterOptions) -> Launched:
-    """Start controller and engines, connect a client, wait until every engine has registered."""
-    kernel_address = options.kernel_address()
-    cluster = _new_cluster(options, kernel_address)
+    """Start controller and engines (in a Slurm allocation first asked for, with --slurm), connect a client, wait
+    until every engine has registered."""
     deadline = time.monotonic() + options.timeout
+    allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
+    try:
+        kernel_address = options.kernel_address(allocation)
+        cluster = _new_cluster(options, kernel_address)
+    except BaseException:
+        if allocation is not None:
+            allocation.release()
+        raise
+    if allocation is not None:
+        _allocations[id(cluster)] = allocation
     try:
         lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
@@ -174,7 +184,8 @@ def start(options: ClusterOptions) -> Launched:
             ],
             mpi_cmd=[options.mpiexec()],
             mpi_args=options.launch_args(kernel_address),
-            environment=_engine_environment(options, lifeline, kernel_address),
+            environment={**_engine_environment(options, lifeline, kernel_address),
+                         **(allocation.variables if allocation is not None else {})},
         )
         client = cluster.connect_client_sync()
         while len(client.ids) < options.n:
@@ -238,6 +249,9 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
             pass
     _forget(cluster)
     _close_lifeline(cluster)
+    allocation = _allocations.pop(id(cluster), None)
+    if allocation is not None:  # after the engines: giving it back first would end them under us
+        allocation.release()
 
 
 def lifeline_of(cluster: ipp.Cluster) -> lifeline_server.LifelineServer | None:

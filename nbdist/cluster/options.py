@@ -73,6 +73,7 @@ class ClusterOptions:
     hosts: tuple[str, ...] = field(default_factory=tuple)  # ssh hosts, Hydra's form: "a", "a:2" (slots)
     hostfile: str | None = None  # MPI's host file: one "host[:slots]" per line
     iface: str | None = None  # the network interface the hosts reach each other by, where they have several
+    slurm: object = None  # a Slurm allocation to run in: True, or salloc's choices (cluster/slurm.py SlurmRequest)
 
     def __post_init__(self) -> None:
         """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
@@ -81,6 +82,9 @@ class ClusterOptions:
             object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
         elif isinstance(self.mpi_args, list):
             object.__setattr__(self, "mpi_args", tuple(self.mpi_args))
+        from nbdist.cluster.slurm import SlurmRequest
+
+        object.__setattr__(self, "slurm", SlurmRequest.of(self.slurm))
         if isinstance(self.hosts, str):
             object.__setattr__(self, "hosts", tuple(h.strip() for h in self.hosts.split(",") if h.strip()))
         elif isinstance(self.hosts, list):
@@ -92,7 +96,7 @@ class ClusterOptions:
         return {f.name for f in fields(cls)} - {"n"}
 
     def multi_host(self) -> bool:
-        return bool(self.hosts or self.hostfile) or any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+        return bool(self.hosts or self.hostfile or self.slurm) or any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
 
     def host_names(self) -> list[str]:
         """The hosts named by --hosts or --hostfile, without their slot counts."""
@@ -105,21 +109,27 @@ class ClusterOptions:
         return []
 
     def launch_args(self, kernel_address: str) -> list[str]:
-        """mpiexec's arguments for the hosts (Hydra's): where to start ranks, and the kernel's address for the
-        proxies to call back to (Hydra's own guess is this host's name, which the other hosts may not resolve)."""
+        """mpiexec's arguments for the hosts (Hydra's): where to start ranks (the hosts, or Slurm's allocation),
+        and the kernel's address for the proxies to call back to (Hydra's own guess is this host's name, which the
+        other hosts may not resolve)."""
+        from nbdist.cluster.slurm import SLURM_LAUNCH
+
         args = ["-hosts", ",".join(self.hosts)] if self.hosts else (["-f", self.hostfile] if self.hostfile else [])
+        if self.slurm is not None:
+            args = list(SLURM_LAUNCH)
         if self.multi_host():
             args += ["-localhost", kernel_address]
         return args + list(self.mpi_args)
 
-    def kernel_address(self) -> str:
+    def kernel_address(self, allocation=None) -> str:
         """The address the engines reach the kernel by: loopback on one host; else this host's address toward the
-        named hosts (cluster/ranks/addresses.py), or the named interface's."""
+        named hosts or the Slurm allocation's nodes (cluster/ranks/addresses.py), or the named interface's."""
         from nbdist.cluster.ranks import addresses
 
         if not self.multi_host():
             return addresses.LOOPBACK
-        return addresses.address_toward(self.host_names(), self.iface)
+        peers = allocation.addresses() if allocation is not None else self.host_names()
+        return addresses.address_toward(peers, self.iface)
 
     def threads_per_engine(self) -> int:
         return max(1, (os.cpu_count() or 1) // max(1, self.n or 1))
@@ -160,8 +170,8 @@ class ClusterOptions:
         """--hosts and --hostfile: one of them, names that resolve, a host file that exists."""
         from nbdist.cluster.ranks import addresses
 
-        if self.hosts and self.hostfile:
-            raise DistUsageError("give --hosts or --hostfile, not both")
+        if sum(map(bool, (self.hosts, self.hostfile, self.slurm))) > 1:
+            raise DistUsageError("give one of --hosts, --hostfile and --slurm")
         if self.hostfile and not os.path.isfile(self.hostfile):
             raise DistUsageError(f"--hostfile {self.hostfile!r}: no such file")
         if self.multi_host() and (self.hosts or self.hostfile) and not self.host_names():
@@ -172,11 +182,22 @@ class ClusterOptions:
     def _engine_count(self, gpus: int) -> int:
         """-n, or one engine per GPU, else DEFAULT_CPU_ENGINES. On several hosts nbdist cannot count the others'
         GPUs (NVML sees this host only), so there -n is required."""
+        if self.slurm is not None:
+            return self._slurm_engines()
         if self.n is None and self.multi_host():
             raise DistUsageError("give -n when the engines run on several hosts (--hosts, --hostfile or hosts in "
                                  "--mpi-args): nbdist counts the GPUs of this host only, not those of the others")
         n = self.n if self.n is not None else (gpus or DEFAULT_CPU_ENGINES)
         whole_number(n, "-n")
+        return n
+
+    def _slurm_engines(self) -> int:
+        """With --slurm the allocation decides the engines: nodes × tasks per node, or an existing allocation's
+        tasks; -n, if given, must agree."""
+        n = self.slurm.engines or int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NNODES") or 1)
+        if self.n is not None and self.n != n:
+            raise DistUsageError(f"-n {self.n}, but the Slurm allocation runs {n} engines (nodes × tasks per node): "
+                                 f"leave -n out, or ask Slurm for {self.n}")
         return n
 
     def _check_fits(self, n: int, gpus: int) -> None:

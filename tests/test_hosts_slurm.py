@@ -1,0 +1,156 @@
+"""Engines in a Slurm allocation (issue 21), on a real Slurm made by the test: munged and slurmctld here, a slurmd in
+each of two namespace hosts (tests/slurm_hosts.py).
+
+The claims: `nbdist.start(slurm=...)` asks salloc for the allocation, runs one engine per task across the nodes as one
+world, and gives the allocation back at stop (the queue empty, nothing left on any node) or when the kernel dies;
+inside an existing allocation it uses that one; a request Slurm refuses, or does not grant in time, is one line,
+withdrawn, nothing left.
+
+Where Slurm or the hosts cannot be made, the tests skip saying why, unless NBDIST_REQUIRE_HOSTS=1 (CI), where that is
+a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hosts import made_or_skip
+from slurm_hosts import SlurmHosts
+from test_device_paths import adam, data_fn, model_fn, serial, worst
+from test_hosts_ssh import _command, on_rank_sums
+
+import nbdist
+from nbdist import models
+from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistError, DistUsageError
+
+pytestmark = pytest.mark.multihost
+
+START_TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    made = made_or_skip(lambda: SlurmHosts(2))
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(made.environment)  # salloc, srun and scontrol, as run by nbdist in this process
+    yield made
+    if before is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = before
+    made.close()
+
+
+def engines_on(slurm: SlurmHosts) -> set[int]:
+    """What runs on the nodes besides their sshd and slurmd: job steps (slurmstepd), Hydra's proxies, engines."""
+    return {p for h in slurm.hosts.hosts for p in slurm.hosts.engine_pids(h) if not _command(p).startswith("slurmd ")}
+
+
+def test_an_allocation_asked_for_runs_the_engines_across_the_nodes_and_is_given_back(slurm):
+    cluster = nbdist.Cluster(ClusterOptions(slurm={"nodes": 2, "tasks_per_node": 2}, cpu=True,
+                                            timeout=START_TIMEOUT)).start()
+    try:
+        names = [h.name for h in slurm.hosts.hosts]
+        assert cluster.world_size == 4 and cluster.hosts == [names[0], names[0], names[1], names[1]]
+        assert len(slurm.jobs()) == 1, slurm.jobs()
+        got = cluster.run(on_rank_sums)
+        assert all(g["mpi"] == 6 and g["torch"][0] == 60.0 for g in got), got
+        tr = nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=cluster, batch_size=8, live=False,
+                            plan={"dp": 2, "pp": 2, "microbatches": 2})
+        try:
+            tr.fit(steps=3)
+            assert worst(tr.state_dict(), serial(3)) <= 1e-5  # stages on different nodes
+        finally:
+            tr.close()
+    finally:
+        cluster.stop()
+    deadline = time.monotonic() + 10
+    while (slurm.jobs() or engines_on(slurm)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not slurm.jobs() and not engines_on(slurm), (slurm.jobs(), engines_on(slurm))
+
+
+def test_a_request_slurm_refuses_is_one_line_and_nothing_stays(slurm):
+    with pytest.raises(DistUsageError) as refused:
+        nbdist.Cluster(ClusterOptions(slurm={"nodes": 1, "partition": "nope"}, cpu=True)).start()
+    line = str(refused.value)
+    assert line.startswith("Slurm refused the request (--nodes=1 --ntasks-per-node=1 --partition=nope): ")
+    assert "invalid partition" in line.lower() and "\n" not in line
+    assert not slurm.jobs()
+
+
+def test_a_request_not_granted_in_time_is_withdrawn(slurm):
+    started = time.monotonic()
+    with pytest.raises(DistError, match=r"^Slurm did not grant the request \(--nodes=3 --ntasks-per-node=1\) "
+                                        r"within 5 s; it was withdrawn"):
+        nbdist.Cluster(ClusterOptions(slurm={"nodes": 3}, cpu=True, timeout=5)).start()
+    assert time.monotonic() - started < 15
+    time.sleep(0.5)
+    assert not slurm.jobs(), slurm.jobs()
+
+
+INSIDE = """
+import json, nbdist
+cluster = nbdist.start(slurm=True, cpu=True, timeout=120)
+print(json.dumps({"hosts": cluster.hosts, "sum": cluster.run(lambda: __import__("mpi4py.MPI").MPI.COMM_WORLD
+                  .allreduce(1))}), flush=True)
+cluster.stop()
+"""
+
+
+def test_inside_an_existing_allocation_the_engines_use_it(slurm):
+    """A notebook server started in an allocation (salloc here): --slurm uses that allocation's nodes and tasks."""
+    done = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-c", INSIDE],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, **slurm.environment},
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    said = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and said, done.stderr[-2000:]
+    got = json.loads(said[-1])
+    assert got["hosts"] == [h.name for h in slurm.hosts.hosts] and got["sum"] == [2, 2]
+    assert not slurm.jobs()
+
+
+KERNEL = """
+import json, nbdist
+cluster = nbdist.start(slurm={"nodes": 2}, cpu=True, timeout=120)
+print(json.dumps(cluster.hosts), flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_killing_the_kernel_gives_the_allocation_back_and_leaves_nothing(slurm):
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **slurm.environment})
+    try:
+        assert len(json.loads(kernel.stdout.readline())) == 2
+        assert slurm.jobs() and engines_on(slurm)
+        kernel.kill()
+        killed = time.monotonic()
+        while (slurm.jobs() or engines_on(slurm)) and time.monotonic() - killed < 15:
+            time.sleep(0.1)
+        assert not slurm.jobs() and not engines_on(slurm), (slurm.jobs(), engines_on(slurm))
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
+def test_slurm_choices_and_their_refusals():
+    from nbdist.cluster.slurm import SlurmRequest
+
+    request = ClusterOptions(slurm={"nodes": 2, "gpus_per_node": 4, "time": "00:30:00", "salloc_args": "--exclusive"})
+    assert request.slurm.engines == 8 and request.multi_host()
+    assert request.slurm.salloc(["cmd"]) == ["salloc", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
+                                             "--time=00:30:00", "--exclusive", "cmd"]
+    assert request.launch_args("10.0.0.1")[:6] == ["-launcher", "slurm", "-rmk", "slurm", "-localhost", "10.0.0.1"]
+    with pytest.raises(DistUsageError, match=r"^unknown Slurm option\(s\) gpus: choose from"):
+        ClusterOptions(slurm={"gpus": 2})
+    with pytest.raises(DistUsageError, match=r"^-n 3, but the Slurm allocation runs 2 engines"):
+        ClusterOptions(n=3, slurm={"nodes": 2}).resolved(gpus=0)
+    with pytest.raises(DistUsageError, match=r"^give one of --hosts, --hostfile and --slurm$"):
+        ClusterOptions(n=2, hosts="localhost", slurm=True).resolved(gpus=0)
+    assert SlurmRequest.of(None) is None and SlurmRequest.of(False) is None
