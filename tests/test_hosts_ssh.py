@@ -79,10 +79,11 @@ def test_two_hosts_form_one_world_with_nothing_passed_by_hand(world, hosts):
     assert all(g["torch"] == want and g["mpi"] == n * (n - 1) // 2 and g["backend"] == "mpi4py" for g in got), got
 
 
-def test_a_pipeline_across_the_hosts_trains_like_one_process(world):
-    """dp × pp = 2 × 2: the pipeline's stages on different hosts, each stage's replicas on one host."""
-    tr = nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=world, batch_size=8, live=False,
-                        plan={"dp": 2, "pp": 2, "microbatches": 2})
+@pytest.mark.parametrize("plan", [{"dp": 2, "pp": 2, "microbatches": 2}, {"pp": 2, "tp": 2, "microbatches": 2}],
+                         ids=["dp x pp", "pp x tp"])
+def test_a_pipeline_across_the_hosts_trains_like_one_process(world, plan):
+    """The pipeline's stages on different hosts; each stage's replicas, or its tensor slices, within one host."""
+    tr = nbdist.Trainer(model_fn, data_fn, models.lm_loss, adam, cluster=world, batch_size=8, live=False, plan=plan)
     try:
         mesh = tr.plan.layout.mesh()
         stages = {world.hosts[r]: mesh.coords(r)["pp"] for r in range(world.world_size)}
