@@ -227,6 +227,14 @@ class SshHosts(Made):
             left.append(pid)
         return left
 
+    def link_of(self, host: Host) -> str:
+        """The bridge's end of `host`'s cable."""
+        return self._veth(self.hosts.index(host))
+
+    def set_link(self, host: Host, state: str) -> None:
+        """Unplug ("down") or plug back ("up") `host`'s cable: the host keeps running, unreachable."""
+        _run("ip", "link", "set", self.link_of(host), state)
+
     @property
     def mpi_args(self) -> tuple[str, ...]:
         """What mpiexec needs to ssh to these hosts (their key, no host-key prompts)."""

@@ -267,3 +267,29 @@ def test_a_mesh_keeps_tensor_parallel_groups_within_a_host_and_says_so(world):
     mesh = world.mesh(pp=2, tp=2)
     assert mesh.spans("tp") == "within a host" and mesh.spans("pp") == "across hosts"
     assert str(mesh).splitlines()[0].endswith("; pp groups across hosts, tp groups within a host")
+
+
+def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts):
+    """The second host's network goes down while a cell runs: within about half a minute (TCP keepalive on the
+    lifelines) the cell ends with one line naming the host and its rank, and its engines end themselves."""
+    before = _nbdist_pids(hosts)
+    cluster = start_on(hosts, 1)
+    victim = hosts.hosts[1]
+    link = hosts.link_of(victim)
+    try:
+        threading.Timer(1.0, hosts.set_link, (victim, "down")).start()
+        started = time.monotonic()
+        with pytest.raises(DistError) as lost:
+            cluster.run(on_rank_sleep, 120, timeout=150)
+        took = time.monotonic() - started
+        line = str(lost.value)
+        assert line.startswith(f"rank(s) 1 on {victim.name} stopped answering: the engine died, or its host cannot "
+                               f"be reached"), line
+        assert took < 60 and "\n" not in line, (took, line)
+    finally:
+        hosts.set_link(victim, "up")
+        cluster.stop()
+    deadline = time.monotonic() + 40  # the cut-off engines notice the lost kernel by keepalive too
+    while _nbdist_pids(hosts) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _nbdist_pids(hosts) - before, link

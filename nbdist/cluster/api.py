@@ -235,8 +235,9 @@ class Cluster:
 
     def _death_watch(self) -> DeathWatch:
         engines = next(iter(self._require_running().cluster.engines.values()), None)
+        server = launch.lifeline_of(self._launched.cluster)
         return DeathWatch({row["rank"]: (row["host"], row["pid"]) for row in self._info},
-                          getattr(engines, "output_file", None))
+                          getattr(engines, "output_file", None), lost=server.lost if server else None)
 
     def _after_death(self) -> str:
         """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the

@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -29,6 +30,7 @@ class DeathWatch:
     pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
     output_file: str | None = None  # mpiexec's output, where Hydra reports a bad termination
     first_seen: list[int] = field(default_factory=list)  # the ranks seen dead in the first check that saw any
+    lost: Callable[[], set] | None = None  # (host, pid) of engines whose lifeline to the kernel broke (other hosts)
 
     def check(self) -> str | None:
         here = socket.gethostname()
@@ -42,8 +44,24 @@ class DeathWatch:
         if reported is None and newly_several:
             reported = self._await_hydra()  # several seen dead at once: only Hydra knows which went first
         if not self.first_seen and reported is None:
-            return None
+            return self._unreachable()
         return self.describe(reported)
+
+    def _unreachable(self) -> str | None:
+        """Ranks on other hosts whose lifeline broke (TCP keepalive: the host died, or its network did), by host."""
+        lost = self.lost() if self.lost is not None else set()
+        gone: dict[str, list[int]] = {}
+        for rank, where in sorted(self.pids.items()):
+            if where in lost:
+                gone.setdefault(where[0], []).append(rank)
+        if not gone:
+            return None
+        reported = self._await_hydra()  # an engine that died also ends its lifeline: Hydra may say which and how
+        if reported is not None:
+            return self.describe(reported)
+        from nbdist.cluster.remote import unreachable_line
+
+        return unreachable_line({rank: host for host, ranks in gone.items() for rank in ranks})
 
     def describe(self, reported: tuple[int, str] | None = None) -> str:
         """Name the rank that died (Hydra's word first; else the first seen dead) and what killed it."""

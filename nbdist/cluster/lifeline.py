@@ -101,7 +101,7 @@ def _give_up(address: str, why: str) -> NoReturn:
     _end(None, on_kernel_host=False)
 
 
-def _keep_alive(sock: socket.socket) -> None:
+def keep_alive(sock: socket.socket) -> None:
     """TCP keepalive, so a kernel host that vanishes without closing anything (power, network) is noticed too,
     within about half a minute. A busy or stopped kernel still answers: its OS does, not its Python."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -148,7 +148,7 @@ def _connect(address: str, token: str) -> socket.socket:
         _give_up(address, "the server closed the connection: it did not accept this process's token" if not answer
                  else f"no acceptance of this process's token from the server ({answer.decode(errors='replace')})")
     sock.settimeout(None)
-    _keep_alive(sock)
+    keep_alive(sock)
     return sock
 
 

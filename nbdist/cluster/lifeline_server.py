@@ -30,7 +30,15 @@ import socket
 import threading
 import time
 
-from nbdist.cluster.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, HOST_ENV, TOKEN_ENV, WATCH_ENV
+from nbdist.cluster.lifeline import (
+    ACCEPTED,
+    ADDRESS_ENV,
+    HANDSHAKE_SECONDS,
+    HOST_ENV,
+    TOKEN_ENV,
+    WATCH_ENV,
+    keep_alive,
+)
 from nbdist.errors import DistUsageError
 
 MASTER_ADDR_ENV = "NBDIST_MASTER_ADDR"  # the address other hosts reach this one by (the rendezvous uses it too)
@@ -51,6 +59,7 @@ class LifelineServer:
         self._pending: dict[socket.socket, tuple[float, bytes]] = {}  # no token yet: (deadline, what it said so far)
         self._held: set[socket.socket] = set()
         self._by_process: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that process's lifeline
+        self._lost: set[tuple[str, int]] = set()  # processes whose lifeline ended while the server ran
         self._lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name=THREAD_NAME)
@@ -86,6 +95,12 @@ class LifelineServer:
         except OSError:
             return False
         return True
+
+    def lost(self) -> set[tuple[str, int]]:
+        """(host, pid) of every process whose lifeline ended while the cluster ran: it exited, or its host died or
+        became unreachable (TCP keepalive notices that within about 25 s)."""
+        with self._lock:
+            return set(self._lost)
 
     @property
     def serving(self) -> bool:
@@ -171,6 +186,7 @@ class LifelineServer:
             host, _, pid = who.decode(errors="replace").partition(" ")
             if pid.isdigit():
                 self._by_process[(host, int(pid))] = conn
+        keep_alive(conn)  # a host that vanishes without closing anything is noticed here too
 
     def _drop_late(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -185,6 +201,8 @@ class LifelineServer:
             self._held.discard(conn)
             for key in [k for k, held in self._by_process.items() if held is conn]:
                 del self._by_process[key]
+                if not self._closing:
+                    self._lost.add(key)
         try:
             selector.unregister(conn)
         except (KeyError, ValueError):

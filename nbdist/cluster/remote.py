@@ -128,7 +128,7 @@ class Waiter:
                     self.progress(self.ar)
                 if first_failure_at is None and self._failed_ranks():
                     first_failure_at = time.monotonic()
-                died = self._death()
+                died = self._death() or self._silent()
                 if died:
                     reason, action = died, self._after_death()
                     break
@@ -153,6 +153,14 @@ class Waiter:
         """A line naming the rank that died, as soon as its process is gone (the launcher notices seconds later)."""
         said = self.death() if self.death is not None else None
         return said or (None if self.engines_alive() else DIED)
+
+    def _silent(self) -> str | None:
+        """Ranks the controller lost (no heartbeat: ipyparallel reports them as EngineError) that no death watch
+        explained: named with their hosts. On another host that is a host that died or cannot be reached."""
+        lost = sorted(r for r, e in self._failed_ranks().items() if _engine_died(e))
+        if not lost:
+            return None
+        return unreachable_line({r: self.pids[r][0] for r in lost})
 
     def _after_death(self) -> str:
         if self.after_death is None:
@@ -256,6 +264,15 @@ class Waiter:
         elif interrupted:
             parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
         raise kind("; ".join(parts))
+
+
+def unreachable_line(hosts: dict[int, str]) -> str:
+    """One line for ranks that stopped answering, grouped by host (rank -> host)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in sorted(hosts.items()):
+        by_host.setdefault(host, []).append(rank)
+    where = "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in by_host.items())
+    return f"{where} stopped answering: the engine died, or its host cannot be reached, which ends the whole MPI job"
 
 
 def _engine_died(error: BaseException) -> bool:
