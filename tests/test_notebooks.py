@@ -7,6 +7,8 @@ file:// aborted: a reader on a compute node, a train or a locked-down lab has no
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import nbformat
@@ -23,13 +25,38 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
+NEEDS_HOSTS = {"41_many_hosts.ipynb"}  # run on two hosts the test makes (tests/hosts.py), named in the environment
+
+
 @pytest.fixture(scope="module", params=NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def executed(request):
     """The notebook executed top to bottom, as nbclient (and `jupyter nbconvert --execute`) runs it."""
     path = request.param
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    with _hosts_for(path):
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
     return path, nb
+
+
+@contextlib.contextmanager
+def _hosts_for(path: Path):
+    """For a notebook about several hosts: two namespace hosts with sshd, named to its kernel through
+    NBDIST_LAB_HOSTS and NBDIST_LAB_MPI_ARGS (what a user sets to their own hosts)."""
+    if path.name not in NEEDS_HOSTS:
+        yield
+        return
+    from hosts import SshHosts, made_or_skip
+
+    hosts = made_or_skip(lambda: SshHosts(2))
+    os.environ["NBDIST_LAB_HOSTS"] = ",".join(h.address for h in hosts.hosts)
+    os.environ["NBDIST_LAB_MPI_ARGS"] = " ".join(hosts.mpi_args)
+    try:
+        yield
+    finally:
+        os.environ.pop("NBDIST_LAB_HOSTS", None)
+        os.environ.pop("NBDIST_LAB_MPI_ARGS", None)
+        hosts.close()
 
 
 @pytest.fixture(scope="module")
