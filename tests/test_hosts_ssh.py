@@ -286,6 +286,9 @@ def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts):
         assert line.startswith(f"rank(s) 1 on {victim.name} stopped answering: the engine died, or its host cannot "
                                f"be reached"), line
         assert took < 60 and "\n" not in line, (took, line)
+        hosts.set_link(victim, "up")
+        cluster.restart()  # the host is back: the same options start the same world again
+        assert cluster.hosts == [h.name for h in hosts.hosts] and cluster.run(on_rank_sums)[0]["mpi"] == 1
     finally:
         hosts.set_link(victim, "up")
         cluster.stop()
