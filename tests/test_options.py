@@ -80,7 +80,7 @@ def test_a_hostfile_names_its_hosts(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     (dict(n=2, hosts="a.invalid,b.invalid"), r"^host 'a\.invalid' cannot be resolved"),
-    (dict(n=2, hosts="localhost", hostfile="x"), r"^give --hosts or --hostfile, not both$"),
+    (dict(n=2, hosts="localhost", hostfile="x"), r"^give one of --hosts, --hostfile and --slurm$"),
     (dict(n=2, hostfile="/no/such/hostfile"), r"^--hostfile '/no/such/hostfile': no such file$"),
     (dict(hosts="localhost,127.0.0.1"), r"^give -n when"),
 ])

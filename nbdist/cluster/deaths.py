@@ -105,10 +105,27 @@ class DeathWatch:
         return None if rank is None else (rank, cause)
 
 
+PF_EXITING = 0x4  # Linux's task flag, set the moment a process starts to exit (before it frees its memory)
+
+
 def _alive(pid: int) -> bool:
+    """Not exited, and not exiting: a process killed with SIGKILL sets PF_EXITING at once, but may take a while (a
+    large memory to free, a loaded machine) to become a zombie, while a peer that lost it may abort and be gone
+    sooner; counting "exiting" as dead keeps the killed rank the first one seen."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
     except psutil.Error:
+        return False
+    return not _exiting(pid)
+
+
+def _exiting(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return bool(int(fields[6]) & PF_EXITING)  # field 9 of stat: flags
+    except (OSError, IndexError, ValueError):
         return False
 
 
