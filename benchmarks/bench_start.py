@@ -33,6 +33,7 @@ import nbdist
 from nbdist.cluster import launch
 
 N = 2
+SETTLE = 2.0  # seconds of quiet before each measurement: a stopped cluster's processes take a moment to go
 
 
 def floor() -> float:
@@ -92,10 +93,11 @@ def measure(repeats: int, hosts: str | None, mpi_args: str) -> list[Measure]:
             sides.append(("two hosts", lambda: nbdist_start(run, hosts=hosts, mpi_args=mpi_args)))
         for i in range(repeats + 1):  # the first round warms the page cache and imports
             for name, side in rotated(sides, i):
+                run.leftovers(grace=10)  # the previous side's processes gone (they would share the cores)
+                time.sleep(SETTLE)
                 seconds = side()
                 if i:
                     samples[name].append(seconds)
-                time.sleep(0.5)
             if i:
                 run.log(f"  repetition {i}: " + ", ".join(f"{n} {s[-1]:.2f} s" for n, s in samples.items() if s))
     measures = [
