@@ -24,8 +24,8 @@ import torch
 from test_nccl_safety import CASES
 from torch import nn
 
+from nbdist.cluster.ranks import placement
 from nbdist.errors import DistUsageError
-from nbdist.pipeline_parallel.ranks import clocks
 from nbdist.pipeline_parallel.ranks.executor import RECEIVE_LOOKAHEAD, StageExecutor
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.pipeline_parallel.stepping import action_ticks, total_ticks
@@ -174,7 +174,8 @@ def test_the_former_boundary_waited_for_partners_of_later_calls(name, p, m, v):
 
 
 def test_the_gpu_clock_waits_for_its_own_events_never_the_whole_device(monkeypatch):
-    """CPU twin of clocks.CudaClock: a call's start waits for the compute stream, its end for its last event."""
+    """CPU twin of placement.CudaClock (the pipeline's clock on a GPU): a call's start waits for the compute stream,
+    its end for its last event."""
     waited = []
 
     class Event:
@@ -198,7 +199,7 @@ def test_the_gpu_clock_waits_for_its_own_events_never_the_whole_device(monkeypat
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", whole_device)
-    clock = clocks.CudaClock(torch.device("cuda", 0))
+    clock = placement.CudaClock(torch.device("cuda", 0))
     clock.call_began()
     marks = [clock.mark() for _ in range(3)]
     clock.settle()

@@ -7,7 +7,8 @@ mismatch while `%dist_status` says `cuda:0`. So the paths ask here, not torch an
 - `here()` is the rank's device; `place(model)` moves a model built on CPU by the user's function there, once,
   where a plan is applied (before tensor parallelism, FSDP2 or DDP wrap it); `to_here(*tensors)` moves batches.
 - `synchronize()` waits for the rank's own device (never "the current device" of some thread: a fresh thread's is
-  cuda:0); `Stopwatch` reads CUDA events on a GPU (the host only queues kernels there) and the host clock on CPU.
+  cuda:0); `clock_for` / `stopwatch` read CUDA events on a GPU (the host only queues kernels there) and the host
+  clock on CPU: the one clock of sharded steps, layer timings and pipeline actions.
 - `memory_report()` gives the free bytes a plan is checked against before anything is built
   (nbdist.checks.fits); `named_out_of_memory`
   turns an allocation that fails during a step into one line naming the rank, the phase and the bytes, and frees
@@ -58,40 +59,78 @@ def synchronize(device: torch.device | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-class Stopwatch:
-    """Marks on the device's own timeline: CUDA events on a GPU, host seconds on CPU. `seconds(mark)` is a host
-    time (perf_counter) either way, valid once `settle()` has run: on a GPU each event is placed on the host clock
-    through an anchor recorded, after a synchronise, when the stopwatch started."""
+class HostClock:
+    """CPU: a mark is the host time; nothing to settle."""
 
-    def __init__(self, device: torch.device | None = None):
-        self.device = here() if device is None else device
-        self.cuda = self.device.type == "cuda"
-        self.anchor = None
-        if self.cuda:
-            synchronize(self.device)
-            self.anchor = (time.perf_counter(), self._event())
+    deferred = False
 
-    def _event(self):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def call_began(self) -> None:
+        pass
 
     def mark(self):
-        return self._event() if self.cuda else time.perf_counter()
+        return time.perf_counter()
 
     def settle(self) -> None:
-        synchronize(self.device)
+        pass
 
     def seconds(self, mark) -> float:
-        if not self.cuda:
-            return mark
-        host, event = self.anchor
-        return host + event.elapsed_time(mark) / 1e3
+        return mark
+
+
+class CudaClock:
+    """GPU: a mark is a CUDA event on the compute stream, placed on the host clock through an anchor (an event
+    recorded, with the compute stream idle, at the host time `call_began` ran); `seconds` is valid once `settle` has
+    run. Settling waits for the last event recorded, never the whole device (`torch.cuda.synchronize` would wait for
+    NCCL's streams too, where a message posted for a later call may still wait for its peer)."""
+
+    deferred = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.anchor = None
+        self.last = None  # the latest event recorded: settling waits for it, and so for everything before it
+
+    def call_began(self) -> None:
+        """The anchor: the compute stream is idle (earlier work settled), so an event recorded now completes at
+        about this host time."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.anchor = (time.perf_counter(), self._record())
+
+    def mark(self):
+        return self.anchor, self._record()
+
+    def settle(self) -> None:
+        """Wait for the work on the compute stream up to its last event."""
+        if self.last is not None:
+            self.last.synchronize()
+
+    def _record(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        self.last = event
+        return event
+
+    @staticmethod
+    def seconds(mark) -> float:
+        (host, anchor), event = mark
+        return host + anchor.elapsed_time(event) / 1e3
+
+
+def clock_for(device: torch.device) -> HostClock | CudaClock:
+    """The device's own clock: marks on the host on CPU, CUDA events on a GPU (the host only queues kernels)."""
+    return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+def stopwatch(device: torch.device | None = None) -> HostClock | CudaClock:
+    """A started clock of `device` (default: this rank's): mark(), settle(), then seconds(mark), a host time."""
+    clock = clock_for(here() if device is None else device)
+    clock.call_began()
+    return clock
 
 
 def timed(fn, device: torch.device | None = None) -> float:
     """Seconds `fn()` takes on `device` (default: this rank's), its queued GPU work included."""
-    watch = Stopwatch(device)
+    watch = stopwatch(device)
     start = watch.mark()
     fn()
     end = watch.mark()
@@ -138,7 +177,8 @@ def memory_report() -> dict:
 
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # torch.cuda's before 2.5
-_TRIED = re.compile(r"tried to allocate\s+([\d.]+)\s*(bytes|[KMGT]iB|B)?", re.IGNORECASE)  # CUDA's and the CPU allocator's
+# the size in CUDA's message ("Tried to allocate 20.00 MiB") and the CPU allocator's ("you tried to allocate N bytes")
+_TRIED = re.compile(r"tried to allocate\s+([\d.]+)\s*(bytes|[KMGT]iB|B)?", re.IGNORECASE)
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -154,7 +194,9 @@ def allocation_failed(error: BaseException) -> bool:
 def out_of_memory_line(error: str, rank: int, device: str, phase: str, free: int | None) -> str:
     """One line for an allocation that failed: the rank, its device, the phase and the bytes asked for and free."""
     found = _TRIED.search(error)
-    asked = "" if not found else " of " + format_bytes(float(found.group(1)) * _UNITS.get((found.group(2) or "").lower(), 1))
+    asked = ""
+    if found:
+        asked = " of " + format_bytes(float(found.group(1)) * _UNITS.get((found.group(2) or "").lower(), 1))
     left = "" if free is None else f"; {format_bytes(free)} free"
     return (f"rank {rank} ({device}) ran out of memory during {phase}: an allocation{asked} failed{left}; the step was "
             f"abandoned and its tensors freed (the engines stay usable): use a smaller batch, more micro-batches, a "

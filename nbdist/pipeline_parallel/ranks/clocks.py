@@ -1,4 +1,5 @@
-"""When each pipeline action ran, on the host or on the GPU (this code runs ON the engines).
+"""When each pipeline action ran, on the host or on the GPU (this code runs ON the engines): a Span per action,
+measured with the rank's clock (cluster/ranks/placement.py: HostClock, CudaClock).
 
 On CPU an action is done when its Python call returns, so `perf_counter` before and after is its span (one clock for
 every process of a host). On a GPU the call only queues kernels, and waiting for a message on NCCL only makes the
@@ -15,10 +16,7 @@ where a message posted for a later call (a Stepper stops the ranks between two t
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass
@@ -31,61 +29,3 @@ class Span:
 
     def as_tuple(self) -> tuple:
         return (self.action, self.start, self.end, self.wait, self.call)
-
-
-class HostClock:
-    """CPU: a mark is the host time; nothing to settle."""
-
-    deferred = False
-
-    def call_began(self) -> None:
-        pass
-
-    def mark(self):
-        return time.perf_counter()
-
-    def settle(self) -> None:
-        pass
-
-    def seconds(self, mark) -> float:
-        return mark
-
-
-class CudaClock:
-    """GPU: a mark is a CUDA event on the compute stream; `seconds` is valid once `settle` has run."""
-
-    deferred = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.anchor = None
-        self.last = None  # the latest event recorded: settling waits for it, and so for everything before it
-
-    def call_began(self) -> None:
-        """The anchor: the compute stream is idle (its earlier calls settled), so an event recorded now completes at
-        about this host time."""
-        torch.cuda.current_stream(self.device).synchronize()
-        self.anchor = (time.perf_counter(), self._record())
-
-    def mark(self):
-        return self.anchor, self._record()
-
-    def settle(self) -> None:
-        """Wait for the call's work on the compute stream: its last event (not the device: see the module's doc)."""
-        if self.last is not None:
-            self.last.synchronize()
-
-    def _record(self):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        self.last = event
-        return event
-
-    @staticmethod
-    def seconds(mark) -> float:
-        (host, anchor), event = mark
-        return host + anchor.elapsed_time(event) / 1e3
-
-
-def clock_for(device: torch.device):
-    return CudaClock(device) if device.type == "cuda" else HostClock()

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from nbdist.pipeline_parallel.ranks.clocks import Span, clock_for
+from nbdist.cluster.ranks.placement import clock_for
+from nbdist.pipeline_parallel.ranks.clocks import Span
 from nbdist.pipeline_parallel.ranks.transport import Drainer, cancel, message_tag
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.schedules.actions import (
@@ -102,7 +103,7 @@ class StageExecutor:
         self.walks = {kind: Walk(tuple(acts), tuple(ticks), None if rounds is None else tuple(rounds))
                       for kind, (acts, ticks, rounds) in walks.items()}
         self.device = device
-        self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: pipeline_parallel/ranks/clocks.py
+        self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: cluster/ranks/placement.py
         self.modules = {s: m.to(device) for s, m in modules.items()}
         self.transport = transport
         self.dp_average = dp_average  # callable(list of gradient tensors) averaging them over the dp group, or None
@@ -179,8 +180,8 @@ class StageExecutor:
         return ran
 
     def _settle(self) -> None:
-        """GPU: wait for the call's work on the compute stream (clocks.py), then turn its event marks into spans
-        (a receive's span is how long the compute stream waited for the message)."""
+        """GPU: wait for the call's work on the compute stream (cluster/ranks/placement.py), then turn its event
+        marks into spans (a receive's span is how long the compute stream waited for the message)."""
         state = self.state
         if not state.unsettled:
             return

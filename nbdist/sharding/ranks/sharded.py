@@ -42,7 +42,7 @@ class ShardedModel:
         self.optimizer = None if make is None else zero.optimizer(
             self.model.parameters(), make, layout.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(layout.dp, layout.tp, layout.zero)
-        self.watch: placement.Stopwatch | None = None  # the running step's clock (CUDA events on a GPU)
+        self.watch: placement.HostClock | placement.CudaClock | None = None  # the running step's clock
         self.last_gradient = None  # a mark of when backward last accumulated a parameter's gradient
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._gradient_done)
@@ -64,7 +64,7 @@ class ShardedModel:
         meter = ActivationMeter() if memory else None
         marks, losses = [], []
         gathered = _GatheredParams(self.model) if memory else None
-        watch = self.watch = placement.Stopwatch()
+        watch = self.watch = placement.stopwatch()
         self.last_gradient = None
         started = watch.mark()
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):

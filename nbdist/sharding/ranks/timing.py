@@ -54,7 +54,7 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> 
     forward, backward = [], []
     for _ in range(repeats + 1):  # the first run warms up the allocator and autograd
         x_in = x.detach().requires_grad_(x.is_floating_point())
-        watch = placement.Stopwatch(x.device)
+        watch = placement.stopwatch(x.device)
         start = watch.mark()
         y = layer(x_in)
         middle = watch.mark()
@@ -91,7 +91,7 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
         forward, backward = [], []
         for i in range(repeats + 2):
             dist.barrier()
-            watch = placement.Stopwatch()
+            watch = placement.stopwatch()
             t0 = watch.mark()
             y = model(x)
             t1 = watch.mark()
