@@ -29,7 +29,8 @@ def waiter(cluster, ar, calls: list) -> Waiter:
         return "the ranks were brought back in step"
 
     return Waiter(ar=ar, ranks=[0, 1], pids={row["rank"]: (row["host"], row["pid"]) for row in cluster.status().rows},
-                  restart=cluster.restart, engines_alive=cluster._engines_alive, after_failure=after_failure)
+                  restart=cluster.restart, engines_alive=cluster._engines_alive, signal_rank=cluster.signal_rank,
+                  after_failure=after_failure)
 
 
 def test_a_failure_asks_to_bring_the_ranks_back_in_step_and_says_so(two):

@@ -36,7 +36,7 @@ class DeathWatch:
         here = socket.gethostname()
         if not self.first_seen:
             self.first_seen = [rank for rank, (host, pid) in sorted(self.pids.items())
-                               if host == here and not _alive(pid)]
+                               if host == here and not alive(pid)]
             newly_several = len(self.first_seen) > 1
         else:
             newly_several = False
@@ -59,8 +59,6 @@ class DeathWatch:
         reported = self._await_hydra()  # an engine that died also ends its lifeline: Hydra may say which and how
         if reported is not None:
             return self.describe(reported)
-        from nbdist.cluster.remote import unreachable_line
-
         return unreachable_line({rank: host for host, ranks in gone.items() for rank in ranks})
 
     def describe(self, reported: tuple[int, str] | None = None) -> str:
@@ -105,10 +103,19 @@ class DeathWatch:
         return None if rank is None else (rank, cause)
 
 
+def unreachable_line(hosts: dict[int, str]) -> str:
+    """One line for ranks that stopped answering, grouped by host (rank -> host)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in sorted(hosts.items()):
+        by_host.setdefault(host, []).append(rank)
+    where = "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in by_host.items())
+    return f"{where} stopped answering: the engine died, or its host cannot be reached, which ends the whole MPI job"
+
+
 PF_EXITING = 0x4  # Linux's task flag, set the moment a process starts to exit (before it frees its memory)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Not exited, and not exiting: a process killed with SIGKILL sets PF_EXITING at once, but may take a while (a
     large memory to free, a loaded machine) to become a zombie, while a peer that lost it may abort and be gone
     sooner; counting "exiting" as dead keeps the killed rank the first one seen."""

@@ -30,7 +30,7 @@ import ipyparallel as ipp
 import psutil
 
 from nbdist.cluster import files as cluster_files
-from nbdist.cluster import lifeline_server, slurm
+from nbdist.cluster import deaths, lifeline_server, slurm
 from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistError
 
@@ -127,18 +127,14 @@ def _check_alive(cluster: ipp.Cluster) -> None:
     here does not (an mpiexec that could not reach a host was noticed only when the whole timeout ran out)."""
     parts = [("controller", cluster.controller)] + [("engines' mpiexec", es) for es in cluster.engines.values()]
     for name, launcher in parts:
-        if launcher is not None and (launcher.state == "after" or _process_ended(getattr(launcher, "pid", None))):
+        if launcher is not None and (launcher.state == "after" or _ended(launcher)):
             raise DistError(f"the {name} exited during start-up: {_complaint(_tail(launcher))}")
 
 
-def _process_ended(pid: int | None) -> bool:
-    """Whether process `pid` (a child of this kernel) has exited: gone, or a zombie not yet reaped."""
-    if not pid:
-        return False
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def _ended(launcher) -> bool:
+    """Whether the launcher's process (a child of this kernel) has exited, or is exiting (deaths.alive)."""
+    pid = getattr(launcher, "pid", None)
+    return bool(pid) and not deaths.alive(pid)
 
 
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)")  # a Python traceback's last line

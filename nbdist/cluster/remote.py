@@ -3,13 +3,12 @@
 An exception on one rank often leaves the others waiting forever in a collective (gloo and NCCL waits cannot be
 interrupted by SIGINT). So while we wait we watch each rank: once one has failed, the others get a short grace
 period; whoever is still running then is interrupted (SIGINT: a local signal on the kernel's host, sent down the
-rank's lifeline on any other host), and if that does not free it the engines are restarted. The same happens on a timeout and on the kernel's interrupt. The user is told exactly what was done.
+rank's lifeline on any other host), and if that does not free it the engines are restarted. The same happens on a
+timeout and on the kernel's interrupt. The user is told exactly what was done.
 """
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from nbdist.cluster.deaths import unreachable_line
 from nbdist.cluster.tracebacks import remote_summary, remote_traceback
 from nbdist.errors import DistError, DistInterrupt
 
@@ -103,6 +103,7 @@ class Waiter:
     pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
     restart: Callable[[], None]
     engines_alive: Callable[[], bool]
+    signal_rank: Callable[[int, int], bool]  # send rank r signal s, on any host (Cluster.signal_rank)
     timeout: float | None = None
     relay: OutputRelay | None = None
     progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
@@ -110,7 +111,6 @@ class Waiter:
     after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
     death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
     after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
-    signal_rank: Callable[[int, int], None] | None = None  # send rank r signal s, on any host (Cluster.signal_rank)
     _restarted: bool = False
 
     def wait(self) -> list:
@@ -224,15 +224,7 @@ class Waiter:
     def _interrupt(self, ranks: Sequence[int]) -> None:
         """SIGINT to each rank, on this host or another (through its lifeline: Cluster.signal_rank)."""
         for rank in ranks:
-            if self.signal_rank is not None:
-                self.signal_rank(rank, signal.SIGINT)
-                continue
-            host, pid = self.pids[rank]
-            if host == socket.gethostname():
-                try:
-                    os.kill(pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+            self.signal_rank(rank, signal.SIGINT)
 
     # -- results ----------------------------------------------------------------------------------------------
 
@@ -264,15 +256,6 @@ class Waiter:
         elif interrupted:
             parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
         raise kind("; ".join(parts))
-
-
-def unreachable_line(hosts: dict[int, str]) -> str:
-    """One line for ranks that stopped answering, grouped by host (rank -> host)."""
-    by_host: dict[str, list[int]] = {}
-    for rank, host in sorted(hosts.items()):
-        by_host.setdefault(host, []).append(rank)
-    where = "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in by_host.items())
-    return f"{where} stopped answering: the engine died, or its host cannot be reached, which ends the whole MPI job"
 
 
 def _engine_died(error: BaseException) -> bool:
