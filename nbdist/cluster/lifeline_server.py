@@ -39,9 +39,9 @@ from nbdist.cluster.lifeline import (
     WATCH_ENV,
     keep_alive,
 )
+from nbdist.cluster.ranks.addresses import MASTER_ADDR_ENV
 from nbdist.errors import DistUsageError
 
-MASTER_ADDR_ENV = "NBDIST_MASTER_ADDR"  # the address other hosts reach this one by (the rendezvous uses it too)
 THREAD_NAME = "nbdist-lifeline-server"
 _TOKEN_LINE_LIMIT = 256  # a client that says more than this before a newline is not one of ours
 

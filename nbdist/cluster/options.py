@@ -25,25 +25,17 @@ HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefil
 def visible_gpus() -> int:
     """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES read as CUDA reads it
     (cluster/ranks/devices.cuda_shows: "0,-1,2" shows one), without creating a CUDA context."""
-    from nbdist.cluster.ranks.devices import cuda_shows
-
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            uuids = [_text(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                     for i in range(pynvml.nvmlDeviceGetCount())]
+            uuids = devices.nvml_uuids(pynvml)
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         return 0
-    return len(cuda_shows(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids))
-
-
-def _text(value) -> str:
-    """NVML strings are bytes in older nvidia-ml-py, str in newer."""
-    return value.decode() if isinstance(value, bytes) else value
+    return len(devices.cuda_shows(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids))
 
 
 def max_cpu_engines() -> int:
@@ -78,17 +70,16 @@ class ClusterOptions:
     def __post_init__(self) -> None:
         """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
         hosts as one string ("a,b") at its commas."""
-        if isinstance(self.mpi_args, str):
-            object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
-        elif isinstance(self.mpi_args, list):
-            object.__setattr__(self, "mpi_args", tuple(self.mpi_args))
         from nbdist.cluster.slurm import SlurmRequest
 
-        object.__setattr__(self, "slurm", SlurmRequest.of(self.slurm))
+        if isinstance(self.mpi_args, str):
+            object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
         if isinstance(self.hosts, str):
             object.__setattr__(self, "hosts", tuple(h.strip() for h in self.hosts.split(",") if h.strip()))
-        elif isinstance(self.hosts, list):
-            object.__setattr__(self, "hosts", tuple(self.hosts))
+        for name in ("mpi_args", "hosts"):  # any other iterable (a list, as nbdist.start always took) as a tuple
+            if hasattr(getattr(self, name), "__iter__"):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "slurm", SlurmRequest.of(self.slurm))
 
     @classmethod
     def names(cls) -> set[str]:
@@ -96,7 +87,8 @@ class ClusterOptions:
         return {f.name for f in fields(cls)} - {"n"}
 
     def multi_host(self) -> bool:
-        return bool(self.hosts or self.hostfile or self.slurm) or any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+        named = any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
+        return bool(self.hosts or self.hostfile or self.slurm) or named
 
     def host_names(self) -> list[str]:
         """The hosts named by --hosts or --hostfile, without their slot counts."""
@@ -114,9 +106,12 @@ class ClusterOptions:
         other hosts may not resolve)."""
         from nbdist.cluster.slurm import SLURM_LAUNCH
 
-        args = ["-hosts", ",".join(self.hosts)] if self.hosts else (["-f", self.hostfile] if self.hostfile else [])
         if self.slurm is not None:
             args = list(SLURM_LAUNCH)
+        elif self.hosts:
+            args = ["-hosts", ",".join(self.hosts)]
+        else:
+            args = ["-f", self.hostfile] if self.hostfile else []
         if self.multi_host():
             args += ["-localhost", kernel_address]
         return args + list(self.mpi_args)

@@ -57,7 +57,8 @@ class SlurmRequest:
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise DistUsageError(f"unknown Slurm option(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
+                raise DistUsageError(f"unknown Slurm option(s) {', '.join(unknown)}: choose from "
+                                     f"{', '.join(sorted(known))}")
             given = dict(value)
             if isinstance(given.get("salloc_args"), str):
                 import shlex

@@ -52,12 +52,12 @@ def measure(cluster) -> Hardware:
     from nbdist import collectives
 
     gpus = all(device.startswith("cuda") for device in cluster.devices)
-    measured = {"matmul_flops": _matmul_flops(cluster), "stream_bandwidth": _stream_bandwidth(cluster),
+    measured = {"matmul_flops": _matmul_flops(cluster, gpus), "stream_bandwidth": _stream_bandwidth(cluster, gpus),
                 "engines": cluster.world_size}
     if gpus:
         from nbdist.cluster.ranks.placement import memory_report
 
-        measured["bf16_matmul_flops"] = _matmul_flops(cluster, "bf16")
+        measured["bf16_matmul_flops"] = _matmul_flops(cluster, gpus, "bf16")
         measured["device_memory"] = min(r["total"] for r in cluster.run(memory_report))
     if cluster.world_size >= 2:
         fit = collectives.benchmark(ops="all_reduce", via="torch", sizes=list(ALLREDUCE_SIZES), cluster=cluster,
@@ -98,26 +98,24 @@ def _slowest(cluster, layer, rows: int, features: int, dtype) -> float:
     return max(forward + backward for forward, backward in times)
 
 
-def _matmul_flops(cluster, dtype: str = "fp32") -> float:
+def _matmul_flops(cluster, gpus: bool, dtype: str = "fp32") -> float:
     """FLOP/s of a Linear's forward (2·k·n per row) and backward (4·k·n per row) in `dtype`; on GPU engines the
     probe is made larger (a small one measures kernel launches, not the GPU)."""
     import torch
     from torch import nn
 
-    gpus = all(device.startswith("cuda") for device in cluster.devices)
     k, tokens = (GPU_PROBE_FEATURES, GPU_PROBE_TOKENS) if gpus else (PROBE_FEATURES, PROBE_TOKENS)
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     seconds_per_row = _slowest(cluster, nn.Linear(k, k, bias=False), tokens, k, kind)
     return 6 * k * k / seconds_per_row
 
 
-def _stream_bandwidth(cluster) -> float:
+def _stream_bandwidth(cluster, gpus: bool) -> float:
     """Bytes/s of a ReLU: forward reads and writes each float (8 bytes), backward reads the gradient and the
-    input and writes the input's gradient (12 bytes)."""
+    input and writes the input's gradient (12 bytes); on GPU engines over more memory than their caches."""
     import torch
     from torch import nn
 
-    gpus = all(device.startswith("cuda") for device in cluster.devices)
     rows, elements = 64, GPU_STREAM_ELEMENTS if gpus else STREAM_ELEMENTS
     seconds_per_row = _slowest(cluster, nn.ReLU(), rows, elements // rows, torch.float32)
     return 20 * (elements // rows) / seconds_per_row

@@ -1,7 +1,8 @@
 """A model's profile, made in the notebook kernel before any rank builds anything: per top-level layer of the
 nn.Sequential, its parameters (and which of them tensor parallelism divides), the bytes autograd saves for backward
 per sample, and the tensor-parallel all-reduces it would make (`profile_layers`: one small real forward on CPU).
-`time_layers` (sharding/ranks/timing.py, run on an engine by the plan) adds forward and backward seconds per sample (`with_times`).
+`time_layers` (sharding/ranks/timing.py, run on an engine by the plan) adds forward and backward seconds per sample
+(`with_times`).
 
 The memory and step-time predictions (sharding/memory.py, sharding/step_time.py) read only this profile.
 Plain data: imports torch and torch.nn, never torch.distributed, so both the kernel and the engines can read it.

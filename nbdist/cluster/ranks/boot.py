@@ -187,9 +187,7 @@ def nvml_handle(pynvml, cuda_index: int):
     lists: CUDA's index is NVML's only where that variable is unset (torch's own mapping,
     torch.cuda._get_nvml_device_index, is private and fails on MIG instances). Shared with the training
     telemetry (training/ranks/telemetry.py), so both read the same GPU."""
-    uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-             for i in range(pynvml.nvmlDeviceGetCount())]
-    target = devices.nvml_device(cuda_index, os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
+    target = devices.nvml_device(cuda_index, os.environ.get("CUDA_VISIBLE_DEVICES"), devices.nvml_uuids(pynvml))
     if target is None:
         return None
     if isinstance(target, str):  # a MIG instance, opened by its UUID: that instance alone

@@ -125,6 +125,13 @@ def process_gpu_bytes(processes: Sequence, pid: int) -> int | None:
     return sum(used) if used else None
 
 
+def nvml_uuids(pynvml) -> list[str]:
+    """The UUIDs of the GPUs NVML lists, in NVML's order (NVML initialised by the caller): what `cuda_shows` and
+    `nvml_device` map CUDA_VISIBLE_DEVICES against. Older nvidia-ml-py returns bytes, newer str."""
+    uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+    return [u.decode() if isinstance(u, bytes) else u for u in uuids]
+
+
 def nvml_device(cuda_index: int, visible: str | None, uuids: Sequence[str]) -> int | str | None:
     """What NVML calls CUDA device `cuda_index` of a process whose CUDA_VISIBLE_DEVICES is `visible` (None: unset),
     where NVML lists GPUs whose UUIDs are `uuids` (NVML index i is uuids[i]). The one mapping telemetry and boot use.
