@@ -13,9 +13,9 @@ from processes import wait_until_gone
 
 import nbdist
 from nbdist.cluster import lifeline
-from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.files import remove_stale_profile_dirs
 from nbdist.cluster.launch import _hydra_files
+from nbdist.errors import DistError, DistUsageError
 
 
 def _all_reduce_ranks():
@@ -227,14 +227,13 @@ def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path,
     import ipyparallel as ipp
 
     from nbdist.cluster.files import new_profile_dir
-    from nbdist.cluster.options import ClusterOptions
 
     user_profile = tmp_path / "ipython" / "profile_default"
     user_profile.mkdir(parents=True)
     (user_profile / "ipcluster_config.py").write_text("c.Cluster.controller_ip = '10.1.2.3'\n")
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     monkeypatch.setenv("NBDIST_CLUSTER_DIR", str(tmp_path / "clusters"))
-    profile = new_profile_dir(ClusterOptions(n=1))
+    profile = new_profile_dir()
     assert os.path.dirname(profile) == str(tmp_path / "clusters")
     assert ipp.Cluster(profile_dir=profile, cluster_file="").controller_ip == "10.1.2.3"
     assert sorted(os.listdir(user_profile)) == ["ipcluster_config.py"]  # the user's profile only read

@@ -12,6 +12,7 @@ NBDIST_REQUIRE_HOSTS=1 (CI sets it), where that is a failure.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -92,6 +93,24 @@ def test_a_pipeline_across_the_hosts_trains_like_one_process(world, plan):
         assert worst(tr.state_dict(), serial(3)) <= 1e-5
     finally:
         tr.close()
+
+
+def _ipyparallel_settings() -> tuple[str, str]:
+    return os.environ["IPP_PROFILE_DIR"], os.environ.get("IPP_CONNECTION_INFO", "")
+
+
+def test_engines_on_other_hosts_read_no_file_of_the_cluster(world):
+    """No folder shared between hosts is needed: the controller's connection info comes down each engine's
+    lifeline, and ipyparallel's profile there is the host's own empty one (the same for every cluster), so a host
+    keeps nothing of a cluster. The cluster's files stay on the kernel's host, outside the home directory."""
+    kernel_profile = world._launched.cluster.profile_dir
+    assert not kernel_profile.startswith(os.path.expanduser("~")), kernel_profile
+    with open(world._launched.cluster.controller.connection_files["engine"]) as f:
+        key = json.load(f)["key"]
+    for profile, info in world.run(_ipyparallel_settings):
+        assert profile != kernel_profile and json.loads(info)["key"] == key
+        files = {name for _, _, names in os.walk(profile) for name in names}
+        assert files <= {"README"}, f"files of a cluster in {profile}: {files}"  # IPython's startup/README only
 
 
 def test_stop_leaves_nothing_on_any_host(hosts):

@@ -154,6 +154,38 @@ def test_the_server_holds_only_connections_that_say_the_token():
     assert not server.serving
 
 
+def _lifeline_to(server, pid: int) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    conn.sendall(server.token.encode() + f" elsewhere {pid}\n".encode())
+    assert conn.recv(3) == b"ok\n"
+    return conn
+
+
+def _line(conn: socket.socket) -> bytes:
+    said = b""
+    while not said.endswith(b"\n"):
+        said += conn.recv(4096)
+    return said
+
+
+def test_the_controllers_connection_info_reaches_every_lifeline_once_before_or_after_it_is_published():
+    """Engines on other hosts register with what comes down their lifeline, not with a file they cannot read."""
+    from nbdist.cluster.lifeline_server import LifelineServer
+
+    info = {"interface": "tcp://10.0.0.1", "registration": 41234, "key": "k" * 32}
+    server = LifelineServer()
+    try:
+        early = _lifeline_to(server, 1)
+        assert _wait_for(lambda: server.held() == 1)
+        server.publish_engine_connection(info)
+        late = _lifeline_to(server, 2)
+        assert [json.loads(_line(c)) for c in (early, late)] == [info, info]
+        assert server.signal("elsewhere", 2, 15)  # signals still follow on the same line
+        assert _line(late) == b"15\n"
+    finally:
+        server.close()
+
+
 def test_an_unreachable_server_ends_the_process_with_one_line_naming_it(closed_port):
     port = closed_port
     env = {"NBDIST_KERNEL_HOST": "kernel-elsewhere", "NBDIST_LIFELINE_ADDR": f"127.0.0.1:{port}",

@@ -17,7 +17,6 @@ import time
 import psutil
 
 from nbdist.cluster.lifeline import OWNER_FILE, owner_of
-from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistError
 
 CLUSTER_DIR_ENV = "NBDIST_CLUSTER_DIR"  # where the clusters' profile directories go (default: see profile_root)
@@ -25,20 +24,20 @@ USER_CONFIG_FILES = ("ipcluster_config", "ipcontroller_config", "ipengine_config
 STALE_UNOWNED_SECONDS = 60.0  # a directory still without its owner file after this long was abandoned mid-start
 
 
-def profile_root(options: ClusterOptions) -> str:
-    """$NBDIST_CLUSTER_DIR, else a private folder in the temp directory; for multi-host runs under the home
-    directory instead, since engines on other hosts read the controller's connection file from there."""
+def profile_root() -> str:
+    """$NBDIST_CLUSTER_DIR, else a private folder in this host's temp directory. Multi-host runs too: engines on
+    other hosts get the controller's connection info down their lifelines (cluster/ranks/main.py), so the
+    cluster's files need not be where every host sees them; they stay on the kernel's host, and go with the
+    cluster."""
     if os.environ.get(CLUSTER_DIR_ENV):
         return os.path.abspath(os.environ[CLUSTER_DIR_ENV])
     user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    if options.multi_host():
-        return os.path.join(os.path.expanduser("~"), ".cache", "nbdist", "clusters")
     return os.path.join(tempfile.gettempdir(), f"nbdist-{user}")
 
 
-def new_profile_dir(options: ClusterOptions) -> str:
+def new_profile_dir() -> str:
     """A fresh profile directory owned by this kernel, holding the user's ipyparallel configuration (if any)."""
-    root = profile_root(options)
+    root = profile_root()
     os.makedirs(root, mode=0o700, exist_ok=True)
     if hasattr(os, "getuid") and os.stat(root).st_uid != os.getuid():  # connection files hold the cluster's keys
         raise DistError(f"{root} belongs to another user: set {CLUSTER_DIR_ENV} to a folder of your own")

@@ -6,7 +6,8 @@ waits politely. On one notebook's cluster those waits are most of the start-up t
 
 - launch the engines at the same moment as the controller (the engines import torch and join the process group
   while the controller starts, then wait for its connection file);
-- beat the heart every 100 ms, so a registering engine is confirmed within a beat;
+- beat the heart every 100 ms, and every 10 ms until the engines have registered (cluster/controller.py), so a
+  registering engine is confirmed within 10-20 ms;
 - run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
 - stop by signalling the process groups of mpiexec and the controller at once.
 
@@ -18,6 +19,7 @@ Each cluster runs in its own IPython profile directory, removed at stop (cluster
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 import ipyparallel as ipp
 import psutil
 
-from nbdist.cluster import files as cluster_files
 from nbdist.cluster import deaths, lifeline_server, slurm
+from nbdist.cluster import files as cluster_files
 from nbdist.cluster.options import ClusterOptions
+from nbdist.cluster.ranks.main import START_TIMEOUT_ENV
 from nbdist.errors import DistError
 
 HEARTBEAT_MS = 100
@@ -61,6 +64,7 @@ def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.Lifel
         "NBDIST_BACKEND": options.backend,
         "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
         "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
+        START_TIMEOUT_ENV: str(options.timeout),  # how long an engine on another host waits for the controller
         # One BLAS/OpenMP thread per engine: engines share the cores, and oversubscription slows everyone.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
         "PYTHONUNBUFFERED": "1",
@@ -83,7 +87,7 @@ def _kernel_import_paths() -> list[str]:
 
 
 def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
-    profile_dir = cluster_files.new_profile_dir(options)
+    profile_dir = cluster_files.new_profile_dir()
     try:
         return _ipp_cluster(options, profile_dir, kernel_address)
     except BaseException:  # e.g. an error in the user's ipcluster_config.py
@@ -169,7 +173,7 @@ def start(options: ClusterOptions) -> Launched:
     try:
         lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
-        cluster.start_controller_sync(controller_cmd=watched + ["ipyparallel.controller"])
+        cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.controller", str(options.n)])
         cluster.start_engines_sync(
             options.n,
             engine_cmd=[sys.executable, "-m", "nbdist.cluster.ranks.main"],
@@ -184,6 +188,7 @@ def start(options: ClusterOptions) -> Launched:
                          **(allocation.variables if allocation is not None else {})},
         )
         client = cluster.connect_client_sync()
+        _publish_engine_connection(cluster, lifeline, deadline)
         while len(client.ids) < options.n:
             _check_alive(cluster)
             if time.monotonic() > deadline:
@@ -196,6 +201,24 @@ def start(options: ClusterOptions) -> Launched:
         stop_processes(cluster)
         raise
     return Launched(cluster=cluster, client=client, engine_ids=sorted(client.ids))
+
+
+def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,
+                               deadline: float) -> None:
+    """Send the controller's connection info for engines down the lifelines: engines on other hosts register with
+    it, so their hosts need no shared folder and keep no file of the cluster. The controller writes its engine file
+    just after the client file the client has read, so it may not be there, or whole, for a moment."""
+    path = cluster.controller.connection_files["engine"]
+    while True:
+        try:
+            with open(path) as f:
+                lifeline.publish_engine_connection(json.load(f))
+            return
+        except (OSError, ValueError):
+            _check_alive(cluster)
+            if time.monotonic() > deadline:
+                raise DistError(f"the controller wrote no connection file for engines ({path})") from None
+            time.sleep(0.005)
 
 
 def _process_groups(cluster: ipp.Cluster) -> list[int]:

@@ -41,6 +41,9 @@ CONNECT_SECONDS = 10.0  # how long a lifeline keeps trying to reach the server b
 HANDSHAKE_SECONDS = 5.0  # how long either side waits for the other's first words
 EXIT_CODE = 3
 
+_engine_connection: list[str] = []  # the JSON line the server sent, once it has (engines on other hosts)
+_engine_connection_came = threading.Event()
+
 
 def owner_of(profile_dir: str) -> tuple[int, float] | None:
     """(pid, start time) of the kernel that owns this nbdist profile directory; None if it is not nbdist's."""
@@ -162,11 +165,22 @@ def _exit_when_closed(address: str, token: str, pid: int | None) -> None:
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                if line.strip().isdigit():
+                if line.startswith(b"{"):
+                    _engine_connection.append(line.decode())
+                    _engine_connection_came.set()
+                elif line.strip().isdigit():
                     os.kill(os.getpid(), int(line))
     except OSError:
         pass
     _end(pid, on_kernel_host=False)
+
+
+def engine_connection_info(timeout: float) -> str | None:
+    """The controller's connection info for engines (JSON, as ipyparallel writes it to its engine connection file),
+    sent down this process's lifeline by the kernel, which is the one host that has the file; None if it did not
+    come within `timeout` seconds or this process holds no lifeline to a server."""
+    _engine_connection_came.wait(timeout)
+    return _engine_connection[-1] if _engine_connection else None
 
 
 def _exit_when_gone(pid: int) -> None:

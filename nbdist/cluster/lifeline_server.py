@@ -13,6 +13,8 @@ The line back to an engine carries signals too: the kernel cannot signal a proce
 interrupt a rank there (a failed peer left it waiting; the user pressed stop) `signal(host, pid, number)` writes the
 signal's number down that rank's lifeline, and the lifeline thread raises it in its own process, as a local
 `kill` would. Each lifeline says its host and pid after the token, so the server knows whose line is whose.
+The same line carries the controller's connection info to engines on other hosts (`publish_engine_connection`):
+they cannot read it from the kernel's files, and nothing of the cluster is written on their hosts.
 
 Connections that do not say the cluster's token within a few seconds are closed: a port scanner or a stray client
 is never taken for a lifeline. Sockets made in Python are not inherited by child processes (PEP 446), so mpiexec
@@ -23,6 +25,7 @@ Kernel side; standard library only, besides nbdist's error type.
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import secrets
 import selectors
@@ -60,6 +63,7 @@ class LifelineServer:
         self._held: set[socket.socket] = set()
         self._by_process: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that process's lifeline
         self._lost: set[tuple[str, int]] = set()  # processes whose lifeline ended while the server ran
+        self._engine_connection = b""  # the line every lifeline gets, once published: the controller's JSON
         self._lock = threading.Lock()
         self._closing = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name=THREAD_NAME)
@@ -95,6 +99,16 @@ class LifelineServer:
         except OSError:
             return False
         return True
+
+    def publish_engine_connection(self, info: dict) -> None:
+        """Send the controller's connection info for engines down every lifeline held now or accepted later: an
+        engine on another host registers with it (lifeline.engine_connection_info)."""
+        line = json.dumps(info, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            self._engine_connection = line
+            held = list(self._held)
+        for conn in held:
+            _send(conn, line)
 
     def lost(self) -> set[tuple[str, int]]:
         """(host, pid) of every process whose lifeline ended while the cluster ran: it exited, or its host died or
@@ -186,7 +200,10 @@ class LifelineServer:
             host, _, pid = who.decode(errors="replace").partition(" ")
             if pid.isdigit():
                 self._by_process[(host, int(pid))] = conn
+            published = self._engine_connection
         keep_alive(conn)  # a host that vanishes without closing anything is noticed here too
+        if published:
+            _send(conn, published)
 
     def _drop_late(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -218,6 +235,15 @@ class LifelineServer:
         for sock in conns + [self._listener, self._wake_read, self._wake_write]:
             sock.close()
         selector.close()
+
+
+def _send(conn: socket.socket, line: bytes) -> None:
+    """A line (under a kilobyte) into a lifeline's nearly empty send buffer; a lifeline that has gone is the
+    server thread's to drop."""
+    try:
+        conn.sendall(line)
+    except OSError:
+        pass
 
 
 def serve(host: str) -> LifelineServer:
