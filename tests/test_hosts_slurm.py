@@ -4,7 +4,8 @@ each of two namespace hosts (tests/slurm_hosts.py).
 The claims: `nbdist.start(slurm=...)` asks salloc for the allocation, runs one engine per task across the nodes as one
 world, and gives the allocation back at stop (the queue empty, nothing left on any node) or when the kernel dies;
 inside an existing allocation it uses that one; a request Slurm refuses, or does not grant in time, is one line,
-withdrawn, nothing left.
+withdrawn, nothing left; a node Slurm takes out of the allocation (its slurmd killed) is one line naming the host,
+Slurm's reason and the ranks it held, and the cluster then stops cleanly.
 
 Where Slurm or the hosts cannot be made, the tests skip saying why, unless NBDIST_REQUIRE_HOSTS=1 (CI), where that is
 a failure.
@@ -15,13 +16,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from hosts import made_or_skip
 from slurm_hosts import SlurmHosts
 from test_device_paths import adam, data_fn, model_fn, serial, worst
-from test_hosts_ssh import _command, on_rank_sums
+from test_hosts_ssh import _command, on_rank_sleep, on_rank_sums
 
 import nbdist
 from nbdist import models
@@ -51,9 +53,22 @@ def engines_on(slurm: SlurmHosts) -> set[int]:
     return {p for h in slurm.hosts.hosts for p in slurm.hosts.engine_pids(h) if not _command(p).startswith("slurmd ")}
 
 
+def assert_nothing_left(slurm: SlurmHosts, seconds: float) -> None:
+    """Within `seconds`: the queue empty (the allocation given back) and nothing running on any node."""
+    deadline = time.monotonic() + seconds
+    while (slurm.jobs() or engines_on(slurm)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not slurm.jobs() and not engines_on(slurm), (slurm.jobs(), engines_on(slurm))
+
+
+def start_two_by_two() -> nbdist.Cluster:
+    """2 nodes × 2 tasks: ranks 0, 1 on the first node, 2, 3 on the second."""
+    return nbdist.Cluster(ClusterOptions(slurm={"nodes": 2, "tasks_per_node": 2}, cpu=True,
+                                         timeout=START_TIMEOUT)).start()
+
+
 def test_an_allocation_asked_for_runs_the_engines_across_the_nodes_and_is_given_back(slurm):
-    cluster = nbdist.Cluster(ClusterOptions(slurm={"nodes": 2, "tasks_per_node": 2}, cpu=True,
-                                            timeout=START_TIMEOUT)).start()
+    cluster = start_two_by_two()
     try:
         names = [h.name for h in slurm.hosts.hosts]
         assert cluster.world_size == 4 and cluster.hosts == [names[0], names[0], names[1], names[1]]
@@ -69,10 +84,32 @@ def test_an_allocation_asked_for_runs_the_engines_across_the_nodes_and_is_given_
             tr.close()
     finally:
         cluster.stop()
-    deadline = time.monotonic() + 10
-    while (slurm.jobs() or engines_on(slurm)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not slurm.jobs() and not engines_on(slurm), (slurm.jobs(), engines_on(slurm))
+    assert_nothing_left(slurm, 10)
+
+
+def test_a_node_whose_slurmd_dies_is_named_with_its_ranks_and_the_cluster_stops_cleanly(slurm):
+    """slurmd is killed on the second node while a cell runs. Its engines run on (slurmstepd outlives slurmd) until
+    slurmctld sets the node DOWN for not responding (SlurmdTimeout=10: about 25 s) and ends the job on every node;
+    srun says so in mpiexec's output, and the cell ends at once with one line: the host, Slurm's reason, its ranks.
+    Stop gives the allocation back and leaves nothing on any node; slurmd is started again for the tests after."""
+    cluster = start_two_by_two()
+    victim = slurm.hosts.hosts[1]
+    try:
+        try:
+            assert cluster.hosts[2:] == [victim.name, victim.name], cluster.hosts
+            threading.Timer(1.0, slurm.kill_slurmd, (victim,)).start()
+            started = time.monotonic()
+            with pytest.raises(DistError) as lost:
+                cluster.run(on_rank_sleep, 200, timeout=250)
+            took, line = time.monotonic() - started, str(lost.value)
+            assert line.startswith(f"host {victim.name} left the Slurm allocation (node DOWN: not responding): "
+                                   f"ranks 2, 3; Slurm ends the job on every node"), line
+            assert "\n" not in line and took < 60, (took, line)
+        finally:
+            cluster.stop()
+        assert_nothing_left(slurm, 15)
+    finally:
+        slurm.start_slurmd(victim)  # the node returns to service when its slurmd registers again
 
 
 def test_a_request_slurm_refuses_is_one_line_and_nothing_stays(slurm):
@@ -130,10 +167,7 @@ def test_killing_the_kernel_gives_the_allocation_back_and_leaves_nothing(slurm):
         assert len(json.loads(kernel.stdout.readline())) == 2
         assert slurm.jobs() and engines_on(slurm)
         kernel.kill()
-        killed = time.monotonic()
-        while (slurm.jobs() or engines_on(slurm)) and time.monotonic() - killed < 15:
-            time.sleep(0.1)
-        assert not slurm.jobs() and not engines_on(slurm), (slurm.jobs(), engines_on(slurm))
+        assert_nothing_left(slurm, 15)
     finally:
         kernel.kill()
         kernel.wait()

@@ -6,7 +6,10 @@ later, and ipyparallel's launcher notices the job is over only seconds after tha
 - the engines' processes on this host, polled (a killed process is gone, or a zombie until its parent reaps it);
   the rank seen dead first is the one that died, the others follow it;
 - Hydra's own report in mpiexec's output ("BAD TERMINATION ... PID <pid> RUNNING AT <host> ... EXIT CODE: 9"),
-  which also covers ranks on other hosts.
+  which also covers ranks on other hosts;
+- in a Slurm allocation, srun's report in the same output ("Node failure on <node>"): Slurm took a node out of the
+  allocation and ends the job on every node, so the node, Slurm's reason and its ranks are the cause, whatever rank
+  is seen dying first (cluster/slurm.py failed_nodes says what was measured).
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
+
+from nbdist.cluster import slurm
 
 _HYDRA = re.compile(r"BAD TERMINATION.*?PID (\d+) RUNNING AT (\S+).*?EXIT CODE: (\d+)", re.S)
 _SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
@@ -40,12 +45,12 @@ class DeathWatch:
             newly_several = len(self.first_seen) > 1
         else:
             newly_several = False
-        reported = self._hydra()
-        if reported is None and newly_several:
-            reported = self._await_hydra()  # several seen dead at once: only Hydra knows which went first
-        if not self.first_seen and reported is None:
-            return self._unreachable()
-        return self.describe(reported)
+        said = self._said()
+        if said is None and newly_several:
+            said = self._await_said()  # several seen dead at once: only Hydra knows which went first
+        if said is not None:
+            return said
+        return self.describe() if self.first_seen else self._unreachable()
 
     def _unreachable(self) -> str | None:
         """Ranks on other hosts whose lifeline broke (TCP keepalive: the host died, or its network did), by host."""
@@ -56,10 +61,8 @@ class DeathWatch:
                 gone.setdefault(where[0], []).append(rank)
         if not gone:
             return None
-        reported = self._await_hydra()  # an engine that died also ends its lifeline: Hydra may say which and how
-        if reported is not None:
-            return self.describe(reported)
-        return unreachable_line({rank: host for host, ranks in gone.items() for rank in ranks})
+        # an engine that died also ends its lifeline: Hydra (or srun) may say which and how
+        return self._await_said() or unreachable_line({rank: host for host, ranks in gone.items() for rank in ranks})
 
     def describe(self, reported: tuple[int, str] | None = None) -> str:
         """Name the rank that died (Hydra's word first; else the first seen dead) and what killed it."""
@@ -76,24 +79,38 @@ class DeathWatch:
         host, pid = self.pids[rank]
         return f"pid {pid} on {host}"
 
-    def _await_hydra(self, seconds: float = 1.0) -> tuple[int, str] | None:
+    def _await_said(self, seconds: float = 1.0) -> str | None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            reported = self._hydra()
-            if reported is not None:
-                return reported
+            said = self._said()
+            if said is not None:
+                return said
             time.sleep(0.05)
         return None
 
-    def _hydra(self) -> tuple[int, str] | None:
+    def _said(self) -> str | None:
+        """What mpiexec's output says ended the job: srun's node failure (Slurm's cause, asked of scontrol once),
+        else Hydra's report of a rank's death."""
+        text = self._output()
+        failed = slurm.failed_nodes(text)
+        if failed:
+            return left_allocation_line({node: slurm.node_condition(node) for node in failed},
+                                        {rank: host for rank, (host, _) in self.pids.items()})
+        reported = self._hydra(text)
+        return None if reported is None else self.describe(reported)
+
+    def _output(self) -> str:
+        """The last 16 KiB of mpiexec's output, where Hydra and srun report (their words are the file's last)."""
         if not self.output_file:
-            return None
+            return ""
         try:
             with open(self.output_file, "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 16384))  # Hydra's report is the file's last words
-                text = f.read().decode(errors="replace")
+                f.seek(max(0, f.seek(0, 2) - 16384))
+                return f.read().decode(errors="replace")
         except OSError:
-            return None
+            return ""
+
+    def _hydra(self, text: str) -> tuple[int, str] | None:
         found = _HYDRA.search(text)
         if found is None:
             return None
@@ -101,6 +118,17 @@ class DeathWatch:
         rank = next((r for r, (_, p) in self.pids.items() if p == pid), None)
         cause = _signal_cause(int(killed.group(1))) if killed else f" (exit code {found.group(3)})"
         return None if rank is None else (rank, cause)
+
+
+def left_allocation_line(nodes: dict[str, str], hosts: dict[int, str]) -> str:
+    """One line for nodes Slurm took out of the allocation (node -> Slurm's words for it), each with the ranks it
+    held (rank -> host; a rank's host name may be the node's name with a domain)."""
+    parts = []
+    for node, condition in nodes.items():
+        ranks = [rank for rank, host in sorted(hosts.items()) if host.split(".")[0] == node.split(".")[0]]
+        held = f": rank {ranks[0]}" if len(ranks) == 1 else f": ranks {', '.join(map(str, ranks))}" if ranks else ""
+        parts.append(f"host {node} left the Slurm allocation ({condition}){held}")
+    return "; ".join(parts) + "; Slurm ends the job on every node, and with it every engine"
 
 
 def unreachable_line(hosts: dict[int, str]) -> str:

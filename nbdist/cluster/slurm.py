@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -132,12 +133,47 @@ class Allocation:
 
 def node_address(node: str) -> str:
     """A node's NodeAddr (its name when Slurm gives none)."""
-    shown = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30,
-                           check=False).stdout
-    for word in shown.split():
-        if word.startswith("NodeAddr="):
-            return word.split("=", 1)[1]
-    return node
+    return node_fields(node).get("NodeAddr") or node
+
+
+def node_fields(node: str, timeout: float = 30) -> dict[str, str]:
+    """`scontrol show node`'s fields ({"State": "DOWN+NOT_RESPONDING", "Reason": "Not responding [root@...]", ...});
+    empty when scontrol does not answer or knows no such node."""
+    try:
+        shown = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=timeout,
+                               check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {key: value for line in shown.splitlines() for key, value in _FIELD.findall(line)}
+
+
+_FIELD = re.compile(r"(\w+)=(.*?)(?=\s+\w+=|\s*$)")  # Key=value, a value may hold spaces ("Reason=Not responding")
+_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)", re.M)
+
+
+def failed_nodes(output: str) -> list[str]:
+    """The nodes srun says failed, in the engines' mpiexec output (Hydra starts its proxies with srun): Slurm took
+    them out of the allocation (the node DOWN: slurmd stopped answering, or the node died) and ends the job on every
+    node. How it goes, measured on the test Slurm (tests/slurm_hosts.py) with slurmd SIGKILLed on one node: the
+    engines there run on (slurmstepd outlives slurmd) until slurmctld sets the node DOWN, SlurmdTimeout plus its
+    ping rounds later (25 to 30 s with SlurmdTimeout=10, no sooner with 5, 45 s with 30); then srun writes this
+    line, the engines on the other nodes get SIGTERM from their slurmstepd, and the rest end about 5 s later with
+    srun and mpiexec."""
+    nodes: list[str] = []
+    for found in _NODE_FAILURE.finditer(output):
+        nodes += hostnames(found.group(1)) if "[" in found.group(1) else [found.group(1)]
+    return list(dict.fromkeys(nodes))
+
+
+def node_condition(node: str) -> str:
+    """What Slurm says of a node, in a few words: "node DOWN: not responding" (its state and Slurm's reason), or
+    "node failure" when scontrol does not say (one call, a few milliseconds: asked once, after a failure)."""
+    shown = node_fields(node, timeout=5)
+    state = shown.get("State", "").split("+")[0]
+    reason = re.sub(r"\s*\[[^]]*\]$", "", shown.get("Reason", "")).strip()  # without "[root@<time>]"
+    if not state:
+        return "node failure"
+    return f"node {state}: {reason[:1].lower()}{reason[1:]}" if reason and reason != "none" else f"node {state}"
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -197,8 +233,6 @@ def _first_line(process: subprocess.Popen, timeout: float) -> str | None:
 def _said(process: subprocess.Popen) -> tuple[str, str]:
     """salloc's own complaint, in one line ("salloc: error: ..." without its prefix), and the job id it named, if
     any (a pending request has one, which must not stay in the queue)."""
-    import re
-
     try:
         process.wait(timeout=5)
         text = process.stderr.read().decode(errors="replace")
