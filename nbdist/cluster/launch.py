@@ -39,6 +39,7 @@ from nbdist.errors import DistError
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
+ALIVE_CHECK_SECONDS = 0.05  # how often a start looks whether mpiexec or the controller has died (not each 5 ms poll)
 
 
 @dataclass
@@ -102,6 +103,7 @@ def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str)
         profile_dir=profile_dir,
         cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
         engines="mpi",
+        load_profile=cluster_files.has_user_config(profile_dir),
         n=options.n,
         delay=0,
         send_engines_connection_env=False,  # engines read the connection file, so they can start before it exists
@@ -189,8 +191,11 @@ def start(options: ClusterOptions) -> Launched:
         )
         client = cluster.connect_client_sync()
         _publish_engine_connection(cluster, lifeline, deadline)
+        checked = 0.0
         while len(client.ids) < options.n:
-            _check_alive(cluster)
+            if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
+                _check_alive(cluster)
+                checked = time.monotonic()
             if time.monotonic() > deadline:
                 raise DistError(
                     f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
