@@ -100,5 +100,13 @@ class Dashboard(WithStaticCopy):
     def static_html(self) -> str:
         return figure_html(self.figure_json(), loader=False)
 
+    def _static_bundle(self) -> dict:
+        """The figure's static copy; until the first redraw, while this kernel has built no figure of this shape yet
+        (plotly takes ~0.2 s the first time), an empty one: the fit is sent to the ranks before that work, and the
+        fit's end replaces the copy with the whole figure (what an export keeps)."""
+        if self.redraws or shape_of(self.live.records, self.telemetry) in _TEMPLATES:
+            return super()._static_bundle()
+        return {"text/html": figure_html({"data": [], "layout": {}}, loader=False), "text/plain": self._static_text()}
+
     def _static_text(self) -> str:
         return self.trainer.history.summary()

@@ -169,10 +169,11 @@ class Trainer:
         wait=False: training goes on in the background and the notebook stays free (the cluster itself is busy
         until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
         steps = self._steps(steps, epochs)
-        from nbdist.training.dashboard import Dashboard
+        live, view = self.telemetry.live, None
+        if live:  # its widgets and plotly are imported only for a dashboard
+            from nbdist.training.dashboard import Dashboard
 
-        live = self.telemetry.live
-        view = Dashboard.open(self, steps, always=live == "always") if live else None
+            view = Dashboard.open(self, steps, always=live == "always")
         if not wait:
             return TrainingRun(self, steps, view)
         return self._train(steps, view)

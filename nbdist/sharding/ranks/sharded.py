@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from nbdist.cluster.ranks import placement, rank_mesh, registry
-from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.data_parallel.ranks import data_parallel
 from nbdist.models.gathered import whole
 from nbdist.sharding.ranks import zero
@@ -61,7 +60,7 @@ class ShardedModel:
         m = self.spec.layout.microbatches
         inputs, targets = placement.to_here(inputs, targets)  # from the notebook, on CPU; the Trainer's are here
         self.model.zero_grad(set_to_none=True)
-        meter = ActivationMeter() if memory else None
+        meter = _memory().ActivationMeter() if memory else None
         marks, losses = [], []
         gathered = _GatheredParams(self.model) if memory else None
         watch = self.watch = placement.stopwatch()
@@ -100,7 +99,7 @@ class ShardedModel:
                   "spans": [(name, at(a), at(b)) for name, a, b in marks], "started": at(started),
                   "ended": at(ended), "coords": self.me.coords, "exposed_comm_s": exposed}
         if memory:
-            held = state_bytes(self.model, self.optimizer)
+            held = _memory().state_bytes(self.model, self.optimizer)
             held["params"] = max(held["params"], gathered.close())
             report["memory"] = {**held, "activations": meter.peak_bytes}
         return report
@@ -121,7 +120,7 @@ class ShardedModel:
         return out
 
     def memory_bytes(self) -> int:
-        return sum(state_bytes(self.model, self.optimizer).values())
+        return sum(_memory().state_bytes(self.model, self.optimizer).values())
 
     def describe(self) -> str:
         s = self.spec.layout
@@ -150,6 +149,14 @@ def close(name: str) -> None:
     registry.drop(KIND, name)
 
 
+def _memory():
+    """nbdist.cluster.ranks.memory, imported when a step first measures memory. It imports DTensor and FSDP2 (~0.5 s),
+    which the notebook's kernel, importing this module only to send its functions, never needs."""
+    from nbdist.cluster.ranks import memory
+
+    return memory
+
+
 def _unwrapped(key: str) -> str:
     """DDP names its model's parameters 'module.<key>': the unsplit model's key is <key>."""
     return key.removeprefix("module.")
@@ -167,7 +174,7 @@ class _GatheredParams:
         self._model = model
 
     def _sample(self, *_):
-        self.peak = max(self.peak, state_bytes(self._model)["params"])
+        self.peak = max(self.peak, _memory().state_bytes(self._model)["params"])
 
     def close(self) -> int:
         for handle in self.handles:
