@@ -14,7 +14,9 @@ batch on each (nbdist.models.mlp, nbdist.data.regression_dataset, Adam, `--batch
 Each run is timed in the kernel, from the start of its cell to the end of the first step on rank 0 (the ranks'
 perf_counter is the kernel's clock: one host, CLOCK_MONOTONIC): nbdist's from the first step's record, accelerate's
 from the time rank 0 writes to a file as its first step ends. The call's return (all steps done) is shown too.
-Repetitions are interleaved, who goes first rotates, the first round is a warm-up (page cache), medians.
+Repetitions are interleaved, who goes first rotates, the first round is a warm-up (page cache), medians. The kernels
+and their processes keep compiled modules (.pyc) in a folder of this run (PYTHONPYCACHEPREFIX), also where
+PYTHONDONTWRITEBYTECODE is set, as an installation does: the warm-up round fills it.
 
 Target: nbdist's first run / accelerate's <= 1.0 (counted); the second run's ratio is shown.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -165,6 +168,7 @@ def measure(run: ClusterRun, repeats: int, settings: dict, timeout: float) -> li
     notes = {f"nbdist_{k}": [r["first"][k] for r in ours]
              for k in ("started", "trainer_ready", "first_step_started")}
     notes["nbdist_second_trainer_ready"] = [r["second"]["trainer_ready"] for r in ours]
+    notes["nbdist_loss"] = [r[name]["loss"] for r in ours for name in ("first", "second")]
     return [
         Measure("first run: cell start to first step done", "s", rows("nbdist", "first"),
                 rows("accelerate", "first"), "ratio<=", 1.0, anchor_name="accelerate", notes=notes),
@@ -210,9 +214,12 @@ def main() -> int:
         sys.exit("this benchmark needs accelerate: pip install -e '.[bench]' (or pip install accelerate)")
     settings = {"width": args.width, "layers": args.layers, "inputs": 32, "samples": 4096, "batch": args.batch,
                 "steps": args.steps}
-    with ClusterRun() as run:
+    with ClusterRun() as run, tempfile.TemporaryDirectory(prefix="bench-first-step-pyc-") as bytecode:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # for the kernels and what they start
+        os.environ["PYTHONPYCACHEPREFIX"] = bytecode
         measures = measure(run, args.repeats, settings, args.timeout)
-    return run.finish(measures, details(measures), json_path=args.json,
+    trained = all(math.isfinite(loss) for loss in measures[0].notes["nbdist_loss"])  # every Trainer trained
+    return run.finish(measures, details(measures), sane=trained, json_path=args.json,
                       settings={"repeats": args.repeats, "accelerate": accelerate.__version__, **settings})
 
 

@@ -9,7 +9,6 @@ import time
 import ipywidgets as widgets
 
 from nbdist.viz.display import figure_html
-from nbdist.viz.training import shape_of, trace_values, training_figure
 from nbdist.widgets.figure import PlotlyFigure
 from nbdist.widgets.static_copy import WithStaticCopy
 
@@ -72,6 +71,8 @@ class Dashboard(WithStaticCopy):
     def figure_json(self) -> dict:
         """The figure as plotly JSON: the traces and layout of a figure of this shape (built once per kernel and
         kept: building one takes ~0.1 s) with this run's values and title."""
+        from nbdist.viz.training import shape_of, trace_values  # plotly: loaded at the first draw, not at open
+
         shape = shape_of(self.live.records, self.telemetry)
         template = _TEMPLATES.get(shape)
         if template is None:
@@ -82,6 +83,8 @@ class Dashboard(WithStaticCopy):
 
     def figure(self):
         """The figure as a plotly Figure (what a test or a person may inspect)."""
+        from nbdist.viz.training import training_figure
+
         return training_figure(self.live.records, self.telemetry, title=self._title())
 
     def _title(self) -> str:
@@ -101,10 +104,10 @@ class Dashboard(WithStaticCopy):
         return figure_html(self.figure_json(), loader=False)
 
     def _static_bundle(self) -> dict:
-        """The figure's static copy; until the first redraw, while this kernel has built no figure of this shape yet
-        (plotly takes ~0.2 s the first time), an empty one: the fit is sent to the ranks before that work, and the
-        fit's end replaces the copy with the whole figure (what an export keeps)."""
-        if self.redraws or shape_of(self.live.records, self.telemetry) in _TEMPLATES:
+        """The figure's static copy; before the first redraw in a kernel that has drawn no training figure yet (plotly
+        and the figure's template take ~0.3 s to load and build the first time), an empty one: the fit is sent to the
+        ranks before that work, and the fit's end replaces the copy with the whole figure (what an export keeps)."""
+        if self.redraws or _TEMPLATES:
             return super()._static_bundle()
         return {"text/html": figure_html({"data": [], "layout": {}}, loader=False), "text/plain": self._static_text()}
 
