@@ -5,25 +5,35 @@ The claims (issue 12): under each plan the Trainer's parameters equal one proces
 same global batches (float32); interrupted-and-resumed ends with the uninterrupted parameters (atol 1e-6 on the same
 plan); kill -9 of an engine is named within 5 s and resume reaches the uninterrupted parameters; a corrupt, partial
 or missing checkpoint gives one clear line and the previous one still loads.
+
+Checkpoints load data, not code (issue 22): a checkpoint file whose unpickling would run code is refused in one line
+naming it, by the kernel before the ranks see it and by the ranks themselves, and the code never runs; a corrupt one
+is one line with nothing of torch's loader in the output; an unwritable checkpoint folder is one line naming it and
+the OS's reason.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
+import subprocess
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 import nbdist
 from nbdist import data, models
-from nbdist.training.ranks.training import seed_everything
-from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistError, DistUsageError
+from nbdist.training import checkpoints
+from nbdist.training.ranks import training as on_ranks
+from nbdist.training.ranks.training import seed_everything
 
 ATOL = 1e-5
 BATCH = 8
@@ -274,6 +284,140 @@ def test_missing_partial_and_corrupt_checkpoints_say_so_and_the_previous_one_loa
     previous.fit(steps=1)
     assert_same(previous.state_dict(), serial(2))
     previous.close()
+
+
+class RunsCode:
+    """Unpickling it creates `marker`: what a checkpoint from a shared folder could do to every engine."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def tampered(checkpoint, into, name: str, marker: str) -> str:
+    """A copy of `checkpoint` whose file `name` unpickles to code: DCP's .metadata as the bare pickle torch writes,
+    a rank's own file as torch.save writes one, or (a .distcp name) the checkpoint written anew by DCP with the
+    optimizer's learning rate, a value DCP keeps as bytes, replaced."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shutil.copytree(checkpoint, into)
+    if name == ".metadata":
+        (into / name).write_bytes(__import__("pickle").dumps(RunsCode(marker)))
+    elif name.endswith(".distcp"):
+        dcp_to_torch_save(checkpoint, into / "whole.pt")  # our own, trusted checkpoint
+        state = torch.load(into / "whole.pt", weights_only=False)
+        state["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)
+        for old in [n for n in os.listdir(into) if n.endswith((".distcp", ".pt")) or n == ".metadata"]:
+            os.remove(into / old)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=into, no_dist=True)
+    else:
+        torch.save({"torch": RunsCode(marker)}, into / name)
+    return str(into)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_and_none_of_it_runs(cluster, tmp_path, capfd):
+    tr = trainer(cluster, checkpoint_dir=str(tmp_path / "good"), checkpoint_every=1)
+    try:
+        tr.fit(steps=1)
+        good, marker = tmp_path / "good" / "step_00000001", tmp_path / "code ran"
+        for name in (".metadata", "rank1.rng", "__0_0.distcp"):
+            bad = tampered(good, tmp_path / name.strip("._") / "step_00000001", name, str(marker))
+            capfd.readouterr()
+            with pytest.raises(DistUsageError, match=rf"checkpoint {re.escape(bad)} is refused: {re.escape(name)}"
+                                                     r".* would run code to load \(it names builtins.exec\); a "
+                                                     "checkpoint must hold data only$") as refused:
+                tr.resume(bad)  # the kernel reads it first
+            assert "\n" not in str(refused.value) and capfd.readouterr() == ("", "")
+            with pytest.raises(DistError, match=r"UnreadableCheckpoint: .*would run code to load \(it names "
+                                                r"builtins.exec\)"):
+                cluster.run(on_ranks.load, tr.id, bad)  # and so do the ranks, where the kernel cannot see it
+            assert not marker.exists(), name
+        assert "Traceback" not in "".join(capfd.readouterr())
+        tr.resume(str(good))  # a checkpoint of data still loads
+        assert tr.step == 1
+    finally:
+        tr.close()
+
+
+def test_a_corrupt_checkpoint_is_one_line_without_torchs_loader_logs(cluster, tmp_path, capfd):
+    tr = trainer(cluster, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=1)
+    try:
+        tr.fit(steps=1)
+        good = tmp_path / "a" / "step_00000001"
+        flipped = tmp_path / "b" / "step_00000001"
+        shutil.copytree(good, flipped)
+        with open(flipped / "__1_0.distcp", "r+b") as f:  # bytes overwritten inside a tensor: torch never looks
+            f.seek(os.path.getsize(flipped / "__1_0.distcp") // 2)
+            f.write(bytes(64))
+        with open(good / ".metadata", "r+b") as f:  # torch's loader logged 28 lines of fallbacks for this
+            f.truncate(100)
+        capfd.readouterr()
+        for path, says in ((good, r".metadata is corrupt or incomplete: 100 bytes, \d+ were written"),
+                           (flipped, r"__1_0.distcp \(.*\) is corrupt or incomplete: its record .* does not match the "
+                                     "checksum it was written with")):
+            with pytest.raises(DistUsageError, match=rf"checkpoint {re.escape(str(path))} cannot be loaded \({says}\)"
+                               ) as said:
+                tr.resume(str(path))
+            assert "\n" not in str(said.value)
+            assert capfd.readouterr() == ("", "")  # nothing else in the cell
+        with pytest.raises(DistError, match=r"rank 0 raised UnreadableCheckpoint: .metadata is corrupt"):
+            cluster.run(on_ranks.load, tr.id, str(good))  # the ranks' own check: one line each
+        shown = capfd.readouterr().err.splitlines()
+        assert len(shown) == 2 and all(re.match(r"\[rank [01]\] .*UnreadableCheckpoint", line) for line in shown), shown
+    finally:
+        tr.close()
+
+
+@contextlib.contextmanager
+def unwritable_folder(path):
+    """A folder nothing can be written into: read-only permissions or, for root (whom permissions do not stop),
+    the immutable attribute (chattr +i)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("root, and no immutable attribute (chattr +i) on this filesystem to make a folder unwritable")
+    try:
+        yield path
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_an_unwritable_checkpoint_folder_is_one_line_naming_it_and_the_reason(cluster, tmp_path):
+    (tmp_path / "a file").write_text("")
+    for folder, reason in ((tmp_path / "a file" / "ckpt", "Not a directory"),
+                           (tmp_path / "a file", "a file, not a folder")):
+        with pytest.raises(DistUsageError, match=rf"^checkpoint folder {re.escape(str(folder))} is not writable "
+                                                 rf"\({reason}\)$"):
+            checkpoints.writable(str(folder))
+    made = []
+    with unwritable_folder(tmp_path / "locked") as locked:
+        says = rf"checkpoint folder {re.escape(str(locked))} is not writable \((rank 0: )?(Operation not permitted|" \
+               r"Permission denied)\)"
+        try:
+            with pytest.raises((DistUsageError, DistError), match=says) as said:
+                made.append(trainer(cluster, checkpoint_dir=str(locked), checkpoint_every=1))  # the kernel can
+                made[-1].fit(steps=1)  # check this folder; where it does not, the ranks do and name the rank
+            assert "\n" not in str(said.value)
+            made.append(trainer(cluster))
+            with pytest.raises((DistUsageError, DistError), match=says) as said:
+                made[-1].save(str(locked))
+            assert "\n" not in str(said.value)
+            assert os.listdir(locked) == []
+            assert cluster.run(lambda: 2) == [2, 2]
+        finally:
+            for tr in made:
+                tr.close()
 
 
 def test_a_background_fit_leaves_the_notebook_free_and_stops_at_a_boundary(cluster):

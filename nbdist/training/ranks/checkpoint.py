@@ -3,23 +3,35 @@ plan, plus what makes a resume exact: the step (which fixes the data position an
 every rank's random number generators.
 
 Layout: <dir>/step_00000012/ holds DCP's files (.metadata and one file per writing rank), trainer.json (step,
-seed, world size, plan) and rank<r>.rng. It is written under <dir>/step_00000012.partial and renamed when every rank
-has finished: a crash mid-write leaves a .partial folder, never a half-written step_* one, so the previous
-checkpoint stays whole and `latest()` never picks a broken one.
+seed, world size, plan, each file's size) and rank<r>.rng (and rank<r>.replica in the replica modes). Every file is
+data, read as data (nbdist/training/checkpoint_data.py: weights_only, DCP's metadata through an allowlist). It is
+written under <dir>/step_00000012.partial and renamed when every rank has finished: a crash mid-write leaves a
+.partial folder, never a half-written step_* one, so the previous checkpoint stays whole and `latest()` never picks
+a broken one.
 
 `get_state_dict` / `set_state_dict` give the model's and optimizer's state under the unsplit model's keys whatever
 wraps it (DDP, FSDP2, tensor-parallel DTensors), and DCP reshards on load: a checkpoint saved under one plan or
 engine count loads into another (elastic resume).
+
+Every rank checks that it can write the folder and all agree before any writes its part (on another host the
+folder may be missing or read-only: one line naming the ranks and the OS's reason, the same on every rank, none left
+waiting). torch's DCP logs its fallbacks through the root logger; they are kept out of the cell.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import json
+import logging
 import os
 import random
 import shutil
 import time
 
 import torch
+
+from nbdist.errors import DistUsageError
+from nbdist.training import checkpoint_data
 
 PREFIX = "step_"
 PARTIAL = ".partial"
@@ -29,11 +41,35 @@ def folder(directory: str, step: int) -> str:
     return os.path.join(directory, f"{PREFIX}{step:08d}")
 
 
-def _barrier(trainer) -> None:
+def _barrier(trainer, directory: str | None = None, failure: int = 0) -> None:
+    """Every rank of the trainer, together; each says whether it could write `directory` (0, or the OS's errno),
+    and if one could not, every rank raises the same line naming them."""
+    import numpy as np
+
     from nbdist.backend.ranks import waiting
 
-    waiting.complete_or_abandon([trainer.me.everyone.Ibarrier()], (), 600.0,
+    everyone = trainer.me.everyone
+    mine = np.array([trainer.rank, failure], dtype=np.int64)
+    said = np.zeros(2 * everyone.Get_size(), dtype=np.int64)
+    waiting.complete_or_abandon([everyone.Iallgather(mine, said)], (mine, said), 600.0,
                                  f"rank {trainer.rank}: the other ranks did not reach the checkpoint within 600 s")
+    failed: dict[int, list[int]] = {}
+    for rank, code in said.reshape(-1, 2).tolist():
+        if code:
+            failed.setdefault(code, []).append(rank)
+    if failed:
+        reasons = "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {os.strerror(code)}"
+                            for code, r in sorted(failed.items()))
+        raise DistUsageError(checkpoint_data.unwritable(directory, reasons))
+
+
+def _failure(action, *args) -> int:
+    """Run `action(*args)` (a write); 0 if it worked, else the OS's errno (said to the other ranks)."""
+    try:
+        action(*args)
+    except OSError as e:
+        return e.errno or errno.EIO
+    return 0
 
 
 def _state(trainer):
@@ -56,25 +92,24 @@ def save(trainer, directory: str, asynchronous: bool = False) -> str:
     started = time.perf_counter()
     final = folder(directory, trainer.step)
     partial = final + PARTIAL
-    if trainer.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
-        os.makedirs(partial)
-    _barrier(trainer)
-    torch.save(_rng_state(), os.path.join(partial, f"rank{trainer.rank}.rng"))
-    _save_replica(trainer, partial)
+    _barrier(trainer, directory, _failure(_make, partial) if trainer.rank == 0 else 0)
+    own = {f"rank{trainer.rank}.rng": _rng_state()}
+    replica = _replica_state(trainer)
+    if replica is not None:
+        own[f"rank{trainer.rank}.replica"] = replica
+    _barrier(trainer, directory, _failure(_write, partial, own))
     meta = {"step": trainer.step, "seed": trainer.spec.data.seed, "world_size": trainer.me.mesh.size,
             "mesh": dict(trainer.me.mesh.dims), "batch_size": trainer.spec.data.batch_size,
             "sync": trainer.spec.optimization.sync}
-    if asynchronous:
-        future = dcp.async_save(_state(trainer), checkpoint_id=partial, process_group=_writer_group(trainer))
-        trainer.pending_save = (future, partial, final, meta, started)
-        trainer.last_save_stall_s = time.perf_counter() - started
-        return final
-    dcp.save(_state(trainer), checkpoint_id=partial)
+    with _dcp_quiet(partial, "written"):
+        if asynchronous:
+            future = dcp.async_save(_state(trainer), checkpoint_id=partial, process_group=_writer_group(trainer))
+            trainer.pending_save = (future, partial, final, meta, started)
+            trainer.last_save_stall_s = time.perf_counter() - started
+            return final
+        dcp.save(_state(trainer), checkpoint_id=partial)
     _barrier(trainer)
-    if trainer.rank == 0:
-        _finalise(partial, final, meta, started)
-    _barrier(trainer)
+    _barrier(trainer, directory, _failure(_finalise, partial, final, meta, started) if trainer.rank == 0 else 0)
     trainer.last_save_stall_s = time.perf_counter() - started
     return final
 
@@ -88,15 +123,30 @@ def settle(trainer, wait: bool) -> None:
     future, partial, final, meta, started = pending
     if not wait and not future.done():
         return
-    future.result()  # raises what the writer raised
     trainer.pending_save = None
+    with _dcp_quiet(partial, "written"):
+        future.result()  # raises what the writer raised
     if trainer.rank == 0:
         _finalise(partial, final, meta, started)
 
 
+def _make(partial: str) -> None:
+    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+    os.makedirs(partial)
+
+
+def _write(partial: str, own: dict) -> None:
+    """This rank's own files: torch.save of plain data (tensors, numbers, lists, dicts), each file opened here so
+    that a failure is the OS's own error."""
+    for name, state in own.items():
+        with open(os.path.join(partial, name), "wb") as f:
+            torch.save(state, f)
+
+
 def _finalise(partial: str, final: str, meta: dict, started: float) -> None:
-    with open(os.path.join(partial, "trainer.json"), "w") as f:
-        json.dump({**meta, "seconds": time.perf_counter() - started}, f)
+    files = {e.name: e.stat().st_size for e in os.scandir(partial) if e.is_file()}  # what the kernel checks
+    with open(os.path.join(partial, checkpoint_data.TRAINER), "w") as f:
+        json.dump({**meta, "files": files, "seconds": time.perf_counter() - started}, f)
     if os.path.exists(final):  # saving the same step again: the new one replaces it
         shutil.rmtree(final)
     os.rename(partial, final)
@@ -119,21 +169,20 @@ def load(trainer, path: str) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     settle(trainer, wait=True)
-    with open(os.path.join(path, "trainer.json")) as f:
-        meta = json.load(f)
-    state = _state(trainer)
     try:
-        dcp.load(state, checkpoint_id=path)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException with every
-        raise UnreadableCheckpoint(_cause(e)) from None  # rank's traceback in its text: keep the cause
+        meta = checkpoint_data.read_trainer(path)
+        reader = _data_only_reader()(path, checkpoint_data.read_metadata(path))
+    except checkpoint_data.CheckpointFileError as e:
+        raise UnreadableCheckpoint(str(e)) from None
+    state = _state(trainer)
+    with _dcp_quiet(path, "loaded", UnreadableCheckpoint):
+        dcp.load(state, storage_reader=reader, planner=_data_only_planner()())
     set_state_dict(trainer.runner.model, trainer.runner.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     same_world = meta["world_size"] == trainer.me.mesh.size
-    rng = os.path.join(path, f"rank{trainer.rank}.rng")
-    if same_world and os.path.exists(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))
+    rng = f"rank{trainer.rank}.rng"
+    if same_world and os.path.exists(os.path.join(path, rng)):
+        _set_rng_state(_load(path, rng))
     if same_world:
         _load_replica(trainer, path)
     trainer.step = int(meta["step"])
@@ -141,37 +190,116 @@ def load(trainer, path: str) -> int:
     return trainer.step
 
 
-def _save_replica(trainer, partial: str) -> None:
+def _replica_state(trainer) -> dict | None:
     """The replica modes (local SGD, EASGD, SSP): replicas differ between exchanges, and DCP keeps one copy of what
     every rank names alike, so each rank also writes its own model, optimizer and synchroniser state. SSP first
     applies every update in flight (a checkpoint is a synchronisation point for it)."""
     sync = getattr(trainer.runner, "sync", None)
     if sync is None:
-        return
+        return None
     if sync.kind == "ssp":
         sync.finish()
     runner = trainer.runner
-    torch.save({"model": runner.model.state_dict(), "optimizer": runner.optimizer.state_dict(),
-                "sync": sync.state()}, os.path.join(partial, f"rank{trainer.rank}.replica"))
+    return {"model": runner.model.state_dict(), "optimizer": runner.optimizer.state_dict(), "sync": sync.state()}
 
 
 def _load_replica(trainer, path: str) -> None:
     """Each rank's own replica, where the checkpoint has one for it (same engine count); else the replicas start
     from DCP's one copy, and the synchroniser from scratch."""
     sync = getattr(trainer.runner, "sync", None)
-    mine = os.path.join(path, f"rank{trainer.rank}.replica")
-    if sync is None or not os.path.exists(mine):
+    mine = f"rank{trainer.rank}.replica"
+    if sync is None or not os.path.exists(os.path.join(path, mine)):
         return
     from nbdist.cluster.ranks import placement
 
-    saved = torch.load(mine, weights_only=False, map_location=placement.here())  # saved by any engine's GPU
+    saved = _load(path, mine, placement.here())  # saved by any engine's GPU
     trainer.runner.model.load_state_dict(saved["model"])
     trainer.runner.optimizer.load_state_dict(saved["optimizer"])
     sync.load_state(saved["sync"])
 
 
 class UnreadableCheckpoint(RuntimeError):
-    """A checkpoint's files could not be read (truncated, corrupt, from another model)."""
+    """A checkpoint's files could not be read (truncated, corrupt, from another model, or not data only)."""
+
+
+class CheckpointNotWritten(RuntimeError):
+    """DCP could not write a checkpoint (a full disk, a folder gone)."""
+
+
+def _load(path: str, name: str, map_location=None):
+    """One of this rank's own files of the checkpoint at `path`, read as data only."""
+    try:
+        return checkpoint_data.load(os.path.join(path, name), name, map_location)
+    except checkpoint_data.CheckpointFileError as e:
+        raise UnreadableCheckpoint(str(e)) from None
+
+
+def _not_dcp(record: logging.LogRecord) -> bool:
+    return "torch/distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
+
+
+class _dcp_quiet:
+    """While DCP works: its logging kept out of the cell (it logs its metadata fallbacks through the root logger,
+    with tracebacks), and its failure as one line: the first failing rank's own error, raised as `failure`. (A
+    class, not a generator: a rank's traceback then shows no frame of it, nor of contextlib.)"""
+
+    def __init__(self, path: str, done: str, failure: type = CheckpointNotWritten):
+        self.path, self.done, self.failure = path, done, failure
+
+    def __enter__(self) -> None:
+        logging.getLogger().addFilter(_not_dcp)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        logging.getLogger().removeFilter(_not_dcp)
+        if isinstance(error, (Exception, CheckpointException)):  # CheckpointException is a BaseException with
+            cause = _cause(error)  # every rank's traceback in its text: keep the cause
+            raise self.failure(cause if self.failure is UnreadableCheckpoint else
+                               f"checkpoint {self.path} could not be {self.done} ({cause})") from None
+
+
+@functools.cache
+def _data_only_reader():
+    """DCP's file reader, given the metadata nbdist read as data (checkpoint_data.read_metadata) in place of its
+    own pickle.load of it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class DataOnlyReader(FileSystemReader):
+        def __init__(self, path: str, metadata):
+            super().__init__(path)
+            self.metadata = metadata
+
+        def read_metadata(self, *args, **kwargs):
+            if getattr(self.metadata, "storage_meta", None) is None:
+                self.metadata.storage_meta = StorageMeta()
+            self.metadata.storage_meta.load_id = self.load_id
+            return self.metadata
+
+    return DataOnlyReader
+
+
+@functools.cache
+def _data_only_planner():
+    """DCP's load planner, with the values DCP keeps as bytes (the optimizer's hyperparameters) read as data: its
+    DefaultLoadPlanner.load_bytes uses torch.load(weights_only=False)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class DataOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                loaded = checkpoint_data.load(value, f"{fqn} (kept as bytes by DCP)")
+            except checkpoint_data.CheckpointFileError as e:
+                raise UnreadableCheckpoint(str(e)) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return DataOnlyPlanner
 
 
 def _cause(error: BaseException) -> str:
@@ -186,11 +314,16 @@ def _cause(error: BaseException) -> str:
 
 
 def _rng_state() -> dict:
+    """This rank's generators as plain data (tensors, numbers, tuples: what weights_only loads): numpy's state
+    tuple holds an ndarray, kept as a tensor of its key."""
     import numpy as np
 
     from nbdist.cluster.ranks import placement
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    kind, key, position, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     device = placement.here()
     if device.type == "cuda":  # the rank's own GPU's generator (not the current device of whichever thread saves)
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -202,7 +335,9 @@ def _set_rng_state(state: dict) -> None:
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    np.random.set_state((saved["kind"], saved["key"].numpy().astype(np.uint32), saved["position"],
+                         saved["has_gauss"], saved["gauss"]))
     from nbdist.cluster.ranks import placement
 
     device = placement.here()
