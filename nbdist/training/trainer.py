@@ -80,7 +80,7 @@ class Trainer:
         d, o, c = self.data, self.optimization, self.checkpointing
         _check(d, o, c)
         if c.dir:
-            c = self.checkpointing = replace(c, dir=os.path.abspath(c.dir))
+            c = self.checkpointing = replace(c, dir=checkpoints.writable(c.dir))  # one line if it cannot be
         self.id = f"train{next(_numbers)}"
         self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
@@ -106,8 +106,6 @@ class Trainer:
                 optimization=replace(o, lr_schedule=portable(o.lr_schedule)),
                 checkpointing=c, straggler=self.telemetry.straggler,
                 whole_replicas=whole, pipeline=pipeline)
-            if c.dir:
-                os.makedirs(c.dir, exist_ok=True)
             infos = self.cluster.run(on_ranks.setup, self.spec)
         except BaseException:
             self._close_model()  # the plan's model was built on the ranks: free it with the failed trainer
@@ -227,7 +225,7 @@ class Trainer:
         directory = os.path.abspath(directory) if directory else self.checkpointing.dir
         if directory is None:
             raise DistUsageError("save() needs a folder: give save(directory) or Trainer(checkpoint_dir=...)")
-        os.makedirs(directory, exist_ok=True)
+        directory = checkpoints.writable(directory)
         return self.cluster.run(on_ranks.save, self.id, directory, asynchronous)[0]
 
     def resume(self, path: str | None = None) -> "Trainer":
