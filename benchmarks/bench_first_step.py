@@ -35,7 +35,7 @@ import time
 import nbformat
 import psutil
 from bench_cluster import ClusterRun, put_mpiexec_on_path
-from common import Measure, rotated
+from common import Measure, bytecode_kept, rotated
 from nbclient import NotebookClient
 
 N = 2
@@ -214,9 +214,7 @@ def main() -> int:
         sys.exit("this benchmark needs accelerate: pip install -e '.[bench]' (or pip install accelerate)")
     settings = {"width": args.width, "layers": args.layers, "inputs": 32, "samples": 4096, "batch": args.batch,
                 "steps": args.steps}
-    with ClusterRun() as run, tempfile.TemporaryDirectory(prefix="bench-first-step-pyc-") as bytecode:
-        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # for the kernels and what they start
-        os.environ["PYTHONPYCACHEPREFIX"] = bytecode
+    with ClusterRun() as run, bytecode_kept("bench-first-step-pyc-"):  # for the kernels and what they start
         measures = measure(run, args.repeats, settings, args.timeout)
     trained = all(math.isfinite(loss) for loss in measures[0].notes["nbdist_loss"])  # every Trainer trained
     return run.finish(measures, details(measures), sane=trained, json_path=args.json,

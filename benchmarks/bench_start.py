@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ipyparallel as ipp  # imported before any timing
 from bench_cluster import ClusterRun, put_mpiexec_on_path
-from common import Measure, rotated
+from common import Measure, bytecode_kept, rotated
 
 import nbdist
 from nbdist.cluster import launch
@@ -129,7 +129,8 @@ def main() -> int:
         made = SshHosts(2).__enter__()
         args.hosts, args.mpi_args = made.names(1), " ".join(made.mpi_args)
     try:
-        measures, run = measure(args.repeats, args.hosts, args.mpi_args)
+        with bytecode_kept("bench-start-pyc-"):  # for every side's processes alike
+            measures, run = measure(args.repeats, args.hosts, args.mpi_args)
     finally:
         if made is not None:
             made.close()

@@ -18,7 +18,9 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
@@ -27,6 +29,22 @@ KINDS = ("ratio>=", "ratio<=", "diff<=", "abs<=", "abs>=")
 LISTED = 12  # up to this many samples a spread lists them all; more are summarised
 # What another run's processes carry in their command line: MPI's launcher and proxies, ipyparallel, nbdist's engines
 OTHER_RUN_MARKS = ("mpiexec", "hydra_pmi_proxy", "ipyparallel", "ipcontroller", "ipengine", "nbdist.cluster")
+
+
+@contextmanager
+def bytecode_kept(prefix: str):
+    """Processes started meanwhile keep compiled modules (.pyc) in a folder of this run, as an installation does,
+    also where PYTHONDONTWRITEBYTECODE is set (this machine sets it): without, every fresh process compiles nbdist's
+    modules from source again, which no user's start pays. A warm-up round fills the folder."""
+    saved = {name: os.environ.get(name) for name in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = folder
+        try:
+            yield folder
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def quantile(xs: list[float], q: float) -> float:
