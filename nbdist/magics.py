@@ -1,7 +1,6 @@
 """IPython magics: a thin skin over nbdist's Python API (parse arguments, call the API, show the result)."""
 from __future__ import annotations
 
-import shlex
 from functools import wraps
 
 from IPython.core.error import UsageError
@@ -11,6 +10,20 @@ from IPython.display import display
 
 from nbdist import cluster as clusters
 from nbdist.errors import DistUsageError, show_errors_in_ipython
+
+
+def _no_arguments(magic: str, line: str) -> None:
+    """A magic that takes nothing refuses what it is given, rather than doing its work anyway."""
+    if line.strip():
+        raise DistUsageError(f"%{magic} takes no arguments, got {line.strip()!r}")
+
+
+def _parsed(magic, line: str):
+    """The magic's arguments; a line IPython cannot split (an unclosed quote) is one line too."""
+    try:
+        return parse_argstring(magic, line)
+    except ValueError as e:
+        raise DistUsageError(f"cannot read the arguments {line.strip()!r}: {e}") from None
 
 
 def _usage_errors(method):
@@ -45,7 +58,8 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of engines (default: one per GPU, else 2)")
     @argument("--cpu", action="store_true", help="CPU engines even where GPUs exist")
-    @argument("--backend", default="auto", help="gloo or mpi (CPU engines; mpi: torch.distributed over MPI shared memory) or nccl (one GPU per engine, CPU tensors through gloo); default: nccl on GPUs, else mpi")
+    @argument("--backend", default="auto", help="gloo or mpi (CPU engines; mpi: torch.distributed over MPI shared "
+              "memory) or nccl (one GPU per engine, CPU tensors through gloo); default: nccl on GPUs, else mpi")
     @argument("--timeout", type=float, default=60.0, help="seconds the start-up may take")
     @argument("--hosts", default="", help="start the engines on these hosts through ssh, e.g. a,b or a:2,b:2 (slots)")
     @argument("--hostfile", default=None, help="MPI's host file: one host[:slots] per line (ssh)")
@@ -65,14 +79,14 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_start(self, line: str) -> None:
         """Start MPI engines with torch.distributed initialised on each."""
-        args = parse_argstring(self.dist_start, line)
+        args = _parsed(self.dist_start, line)
         cluster = clusters.start(
             args.n,
             restart=args.restart,
             cpu=args.cpu,
             backend=args.backend,
             timeout=args.timeout,
-            mpi_args=tuple(shlex.split(args.mpi_args)),
+            mpi_args=args.mpi_args,  # split as a shell would by ClusterOptions
             hosts=args.hosts,
             hostfile=args.hostfile,
             iface=args.iface,
@@ -84,12 +98,14 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_status(self, line: str) -> None:
         """Show rank, host, pid, device, backend and memory of every engine, and what each rank holds."""
+        _no_arguments("dist_status", line)
         display(clusters.current().status())
 
     @line_magic
     @_usage_errors
     def dist_stop(self, line: str) -> None:
         """Stop the engines, the controller and mpiexec."""
+        _no_arguments("dist_stop", line)
         cluster = clusters.current()
         cluster.stop()
         print(f"stopped {cluster.world_size} engines")
@@ -98,6 +114,7 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_restart(self, line: str) -> None:
         """Fresh engines and process group, e.g. after a hang."""
+        _no_arguments("dist_restart", line)
         display(clusters.current().restart().status())
 
     @magic_arguments()
@@ -110,7 +127,7 @@ class DistMagics(Magics):
     @_usage_errors
     def dist_train(self, line: str) -> None:
         """Train an nbdist.Trainer: %dist_train tr --steps 100 [--resume ckpt] [--save] (tr.history keeps it)."""
-        args = parse_argstring(self.dist_train, line)
+        args = _parsed(self.dist_train, line)
         from nbdist.training.trainer import Trainer
 
         trainer = self.shell.user_ns.get(args.trainer)
@@ -131,8 +148,26 @@ class DistMagics(Magics):
     @_usage_errors
     def dist(self, line: str, cell: str) -> None:
         """Run the cell on the chosen ranks; output labelled [rank N]."""
-        args = parse_argstring(self.dist, line)
+        args = _parsed(self.dist, line)
+        if args.timeout is not None:
+            from nbdist.cluster.options import seconds
+
+            seconds(args.timeout, "--timeout")
         clusters.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
+
+    @line_magic
+    @_usage_errors
+    def dist_traceback(self, line: str) -> None:
+        """Every frame of each rank's traceback in the last failure (a failure shows the user's frames only)."""
+        _no_arguments("dist_traceback", line)
+        import sys
+
+        from nbdist.cluster.remote import last_tracebacks, write_grouped
+
+        tracebacks = last_tracebacks()
+        if not tracebacks:
+            raise DistUsageError("no rank has failed yet in this kernel: nothing to show")
+        write_grouped(tracebacks.items(), sys.stdout)
 
 
 def register(ipython) -> None:

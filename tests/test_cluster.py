@@ -207,7 +207,7 @@ def test_import_nbdist_is_light_and_its_names_are_there():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["[]", "nbdist.cluster.api nbdist.cluster.api nbdist.cluster.api nbdist.errors"]
+    assert run.stdout.splitlines() == ["[]", "nbdist.cluster.api nbdist.cluster.api nbdist.cluster.status nbdist.errors"]
 
 
 def test_subpackages_are_reachable_from_the_package_without_importing_them_first():

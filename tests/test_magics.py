@@ -22,7 +22,7 @@ print(t)
 
 def nbdist_lines(shown: str) -> list[str]:
     """The lines under a cell that are not a rank's own output: what nbdist itself says."""
-    return [line for line in shown.splitlines() if line.strip() and not line.startswith("[rank ")]
+    return [line for line in shown.splitlines() if line.strip() and not line.startswith(("[rank ", "[ranks "))]
 
 
 def internals(shown: str) -> list[str]:
@@ -49,12 +49,17 @@ def private_kernel(tmp_path: Path) -> tuple[KernelDriver, Path, Path]:
     return driver, ipython_dir, cluster_dir
 
 
-@pytest.fixture(scope="module")
-def started(kernel):
+def with_cluster(kernel: KernelDriver) -> KernelDriver:
+    """The kernel with nbdist's magics loaded and a 2-engine cluster started."""
     assert not kernel.execute("%load_ext nbdist").error
     result = kernel.execute("%dist_start -n 2")
     assert not result.error, result.error_text
     return kernel
+
+
+@pytest.fixture(scope="module")
+def started(kernel):
+    return with_cluster(kernel)
 
 
 def test_dist_before_start_is_a_usage_error(kernel):
@@ -116,8 +121,8 @@ def test_kernel_interrupt_stops_the_cell_on_all_ranks(started):
     assert result.error["ename"] == "KeyboardInterrupt"
     assert result.seconds < 10
     shown = result.shown
-    for rank in (0, 1):  # each rank's own frame: the line it was running
-        assert f"[rank {rank}] ----> 2 time.sleep(60)" in shown and f"[rank {rank}] KeyboardInterrupt" in shown
+    # each rank's own frame, the line it was running: said once for both, as both were stopped there
+    assert "[ranks 0, 1] ----> 2 time.sleep(60)" in shown and "[ranks 0, 1] KeyboardInterrupt" in shown
     one_line = "KeyboardInterrupt: interrupted; nbdist interrupted rank(s) 0, 1, which then stopped"
     assert nbdist_lines(shown) == [one_line]
     assert internals(shown) == []

@@ -1,100 +1,60 @@
 """The notebook-side face of the engines: start, run, execute, status, restart, stop.
 
 Everything is addressed by MPI rank, never by ipyparallel engine id (ids change after restarts and need not match
-ranks). `nbdist.current()` is the cluster the magics use; a notebook normally has one.
+ranks). `nbdist.current()` is the cluster the magics use: one per kernel, the one `nbdist.start()` started and
+`nbdist.stop()` stops (starts from several threads at once are taken one at a time, and the later ones find it
+running). A second cluster is made explicitly, `nbdist.Cluster(n=2).start()`, and is yours to stop.
+
+Every argument is checked in the kernel before anything is sent: a bad one is one DistUsageError line.
 """
 from __future__ import annotations
 
 import atexit
-import html
 import itertools
 import os
 import socket
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from nbdist.checks import is_whole
 from nbdist.cluster import launch
+from nbdist.cluster.arguments import (
+    chosen_ranks,
+    needs_function,
+    parse_rank_spec,  # noqa: F401 - nbdist.cluster.parse_rank_spec, its old home
+    sent,
+)
 from nbdist.cluster.deaths import DeathWatch
 from nbdist.cluster.mesh import Mesh, layout
-from nbdist.cluster.options import ClusterOptions
+from nbdist.cluster.options import ClusterOptions, run_timeout
 from nbdist.cluster.ranks import boot, gpu_sync, rank_mesh, registry
 from nbdist.cluster.remote import SHOW_MODES, OutputRelay, Waiter
+from nbdist.cluster.status import Status
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
-from nbdist.units import format_bytes
 
 _current: "Cluster | None" = None
+_starting = threading.RLock()  # nbdist.start() and nbdist.stop() one at a time: one current cluster per kernel
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
 _generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
 GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
 
 
-@dataclass
-class Status:
-    """One row per rank, then what each rank holds (the engine registry); shows as tables in the notebook (HTML)
-    and in a terminal (text).
-
-    The backend column is torch's own string, what `dist.get_backend()` returns in a cell: "mpi4py" on CPU engines
-    (nbdist's torch.distributed over MPI; "gloo" when asked for), "cpu:gloo,cuda:nccl" on GPU engines (CUDA tensors
-    through NCCL, CPU tensors through gloo). A friendlier name would be one more thing to translate. GPU memory is what
-    NVML says the process holds (context, NCCL buffers, torch's cache); where NVML cannot see the process, torch's cache
-    only, and the cell says so.
-    """
-
-    rows: list[dict]
-    startup_seconds: float | None = None
-    holdings: list[dict] = field(default_factory=list)  # rank, kind, name, bytes, what
-
-    HEADER = ("rank", "host", "pid", "device", "backend", "memory")
-    HOLDINGS_HEADER = ("rank", "holds", "name", "tensors", "what")
-
-    @staticmethod
-    def _cells(row: dict) -> list[str]:
-        memory = f"{row['rss_mib']:.0f} MiB"
-        if "gpu_mib" in row:
-            whose = "" if row.get("gpu_memory") == "nvml" else ", torch's cache only"
-            memory += f" (+{row['gpu_mib']:.0f} MiB GPU{whose})"
-        return [str(row["rank"]), row["host"], str(row["pid"]), row["device"], row["backend"], memory]
-
-    @staticmethod
-    def _holding_cells(row: dict) -> list[str]:
-        return [str(row["rank"]), row["kind"], row["name"], format_bytes(row["bytes"]), row["what"]]
-
-    def _footer(self) -> list[str]:
-        if self.startup_seconds is None:
-            return []
-        return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
-
-    def _holdings_note(self) -> list[str]:
-        return [] if self.holdings else ["the ranks hold no nbdist objects (pipelines, meshes, groups)"]
-
-    def __str__(self) -> str:
-        lines = _text_table(self.HEADER, [self._cells(r) for r in self.rows]) + self._footer()
-        if self.holdings:
-            lines += [""] + _text_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
-        return "\n".join(lines + self._holdings_note())
-
-    def _repr_html_(self) -> str:
-        out = _html_table(self.HEADER, [self._cells(r) for r in self.rows])
-        out += "".join(f"<p>{line}</p>" for line in self._footer())
-        if self.holdings:
-            out += _html_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
-        return out + "".join(f"<p>{html.escape(line)}</p>" for line in self._holdings_note())
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
 class Cluster:
     """An MPI world of ipyparallel engines with torch.distributed initialised on each.
 
-    Use `nbdist.start()` rather than constructing one; a Cluster is also a context manager that stops on exit.
+    Use `nbdist.start()` for the notebook's cluster; `Cluster(n=4, backend="gloo").start()` (or
+    `Cluster(ClusterOptions(...))`) makes another one, which is not `nbdist.current()`: stop it yourself, or use it
+    as a context manager, which stops it on exit.
     """
 
-    def __init__(self, options: ClusterOptions):
-        self.options = options.resolved()
+    def __init__(self, options: ClusterOptions | None = None, **keywords: Any):
+        if options is not None and not isinstance(options, ClusterOptions):
+            raise DistUsageError(f"Cluster takes a ClusterOptions or keywords (Cluster(n=2, cpu=True)), got "
+                                 f"{options!r}")
+        if options is not None and keywords:
+            raise DistUsageError("give Cluster a ClusterOptions or keywords, not both")
+        self.options = (options or ClusterOptions.of(**keywords)).resolved()
         self._launched: launch.Launched | None = None
         self._engine_of_rank: list[int] = []
         self._info: list[dict] = []
@@ -194,14 +154,9 @@ class Cluster:
         if self._reserved is not None and self._reserved[0] is thread:
             self._reserved = None
 
-    def _parse_ranks(self, ranks: Sequence[int] | str | None) -> list[int]:
-        if ranks is None or ranks == "all":
-            return list(range(self.world_size))
-        chosen = parse_rank_spec(ranks, self.world_size) if isinstance(ranks, str) else list(ranks)
-        bad = [r for r in chosen if not is_whole(r) or not 0 <= r < self.world_size]
-        if bad or not chosen:
-            raise DistUsageError(f"ranks {ranks!r} are not in 0..{self.world_size - 1}")
-        return chosen
+    def _parse_ranks(self, ranks: Sequence[int] | int | str | None) -> list[int]:
+        self._require_running()
+        return chosen_ranks(ranks, self.world_size)
 
     def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None, progress=None) -> Waiter:
         return Waiter(
@@ -212,12 +167,28 @@ class Cluster:
             restart=self.restart,
             engines_alive=self._engines_alive,
             timeout=timeout,
-            relay=OutputRelay(ranks, show) if show is not None else None,
+            relay=OutputRelay(ranks, show, keep=self._keep_output) if show is not None else None,
             after_failure=self._back_in_step,
             death=self._death_watch().check,
             after_death=self._after_death,
             signal_rank=self.signal_rank,
         )
+
+    def _keep_output(self, rank: int, stream: str, text: str) -> str | None:
+        """Write a rank's output too long for the cell to a file in the cluster's folder (removed at stop); its path,
+        or None if it could not be written."""
+        launched = self._launched
+        if launched is None:
+            return None
+        folder = os.path.join(launched.cluster.profile_dir, "output")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            handle, path = tempfile.mkstemp(prefix=f"rank{rank}-{stream}-", suffix=".txt", dir=folder)
+            with open(handle, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+        except OSError:
+            return None
+        return f"{path} until the cluster stops"
 
     def signal_rank(self, rank: int, number: int) -> bool:
         """Send signal `number` to rank `rank`'s engine, on this host (kill) or on another (down its lifeline to the
@@ -302,8 +273,10 @@ class Cluster:
         the engine (where a %%dist cell's variables live), so import inside fn what it needs. Output printed by fn
         is shown from rank 0; an exception on any rank raises DistError naming the rank, after freeing the others.
         """
+        needs_function(fn, "run")
+        timeout = run_timeout(timeout)
         chosen = self._parse_ranks(ranks)
-        ar = self._view(chosen).apply_async(fn, *args, **kwargs)
+        ar = sent(fn, lambda: self._view(chosen).apply_async(fn, *args, **kwargs))
         return self._waiter(ar, chosen, timeout, show={chosen[0]}).wait()
 
     def run_each(self, fn: Callable, args_by_rank: dict, timeout: float | None = None, progress=None) -> list:
@@ -312,15 +285,26 @@ class Cluster:
         about twice a second while waiting (live views read what the ranks publish)."""
         from ipyparallel.client.asyncresult import AsyncResult
 
+        needs_function(fn, "run_each")
+        timeout = run_timeout(timeout)
+        if not isinstance(args_by_rank, dict):
+            raise DistUsageError(f"run_each takes {{rank: (arguments, ...)}}, got {type(args_by_rank).__name__}")
         chosen = self._parse_ranks(sorted(args_by_rank))
+        for rank in chosen:
+            if not isinstance(args_by_rank[rank], (tuple, list)):
+                raise DistUsageError(f"run_each: the arguments of rank {rank} must be a tuple, got "
+                                     f"{args_by_rank[rank]!r}")
         client = self._require_running().client
-        parts = [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen]
+        parts = sent(fn, lambda: [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen])
         return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}, progress=progress).wait()
 
     def execute(self, code: str, ranks=None, timeout: float | None = None, output: str = "rank0") -> list:
         """Run code (a cell's source) on the chosen ranks, like `%%dist`; outputs are labelled by rank."""
+        if not isinstance(code, str):
+            raise DistUsageError(f"execute takes code as a string, got {type(code).__name__}")
         if output not in SHOW_MODES:
             raise DistUsageError(f"--output must be one of {', '.join(SHOW_MODES)}, got {output!r}")
+        timeout = run_timeout(timeout)
         chosen = self._parse_ranks(ranks)
         show = {"rank0": {chosen[0]}, "all": set(chosen), "none": set()}[output]
         ar = self._view(chosen).execute(code, silent=False, block=False)
@@ -377,53 +361,27 @@ class Cluster:
         return f"<nbdist.Cluster {state}, backend={self._info[0]['backend'] if self._info else self.options.backend}>"
 
 
-def _text_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    table = [list(header)] + rows
-    widths = [max(len(cell) for cell in column) for column in zip(*table)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-
-
-def _html_table(header: Sequence[str], rows: list[list[str]]) -> str:
-    def tr(cells: Sequence[str], tag: str) -> str:
-        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
-
-    return "<table>" + tr(header, "th") + "".join(tr(r, "td") for r in rows) + "</table>"
-
-
-def parse_rank_spec(spec: str, world_size: int) -> list[int]:
-    """'all', '0', '0,2', '1-3' or '0,2-3' -> sorted rank list."""
-    spec = spec.strip()
-    if spec == "all":
-        return list(range(world_size))
-    ranks: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.partition("-")
-            ranks.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise DistUsageError(f"--ranks {spec!r}: expected 'all', '0', '0,2' or '1-3'") from None
-    return sorted(ranks)
-
-
 def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Cluster:
     """Start (or return the running) cluster: `n` engines, default one per GPU, else 2 CPU engines.
 
     Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds),
     hosts ("a,b" or ["a:2", "b:2"]: engines on those hosts through ssh) or hostfile, iface (the network interface
     between the hosts, where there are several), mpi_args (a list, or one string split as a shell would),
-    collective_timeout. A running cluster is kept (a note says so) unless `restart=True`.
+    collective_timeout. A running cluster is kept (a note says so) unless `restart=True`. One cluster per kernel:
+    starts from several threads are taken one at a time. For a second cluster: `nbdist.Cluster(n=...).start()`.
     """
     global _current
-    unknown = sorted(set(options) - ClusterOptions.names())
-    if unknown:
-        raise DistUsageError(f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(sorted(ClusterOptions.names()))}")
-    cluster = Cluster(ClusterOptions(n=n, **options))  # validates every value before anything else happens
-    if _current is not None and _current.running:
-        if not restart:
-            print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True replaces it)")
-            return _current
-        _current.stop()
-    _current = cluster.start()
+    if not isinstance(restart, bool):
+        raise DistUsageError(f"restart must be True or False, got {restart!r}")
+    cluster = Cluster(ClusterOptions.of(n, **options))  # validates every value before anything else happens
+    with _starting:
+        if _current is not None and _current.running:
+            if not restart:
+                print(f"a cluster is already running ({_current.world_size} ranks); keeping it (restart=True "
+                      "replaces it)")
+                return _current
+            _current.stop()
+        _current = cluster.start()
     return cluster
 
 
@@ -435,9 +393,10 @@ def current() -> Cluster:
 
 
 def stop() -> None:
-    """Stop the current cluster, if any."""
-    if _current is not None:
-        _current.stop()
+    """Stop the cluster `nbdist.start()` started, if any (after a start under way in another thread ends)."""
+    with _starting:
+        if _current is not None:
+            _current.stop()
 
 
 def _stop_all() -> None:
@@ -446,3 +405,4 @@ def _stop_all() -> None:
 
 
 atexit.register(_stop_all)
+

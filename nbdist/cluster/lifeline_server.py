@@ -17,8 +17,11 @@ The same line carries the controller's connection info to engines on other hosts
 they cannot read it from the kernel's files, and nothing of the cluster is written on their hosts.
 
 Connections that do not say the cluster's token within a few seconds are closed: a port scanner or a stray client
-is never taken for a lifeline. Sockets made in Python are not inherited by child processes (PEP 446), so mpiexec
-and the controller never hold the kernel's end open after the kernel has died.
+is never taken for a lifeline. At most MAX_PENDING connections wait to say it: a flood of them (900 were seen to hold
+850 of the kernel's files open) makes the server drop the oldest waiting one for each new one, so the kernel's open
+files stay bounded and an engine, which says its token as soon as it connects, still gets through. Sockets made in
+Python are not inherited by child processes (PEP 446), so mpiexec and the controller never hold the kernel's end
+open after the kernel has died.
 
 Kernel side; standard library only, besides nbdist's error type.
 """
@@ -47,6 +50,7 @@ from nbdist.errors import DistUsageError
 
 THREAD_NAME = "nbdist-lifeline-server"
 _TOKEN_LINE_LIMIT = 256  # a client that says more than this before a newline is not one of ours
+MAX_PENDING = 64  # connections not yet past the token at once; beyond, the oldest is dropped for each new one
 
 
 class LifelineServer:
@@ -86,6 +90,11 @@ class LifelineServer:
         """How many lifelines (connections that said the token) are held now."""
         with self._lock:
             return len(self._held)
+
+    def pending(self) -> int:
+        """How many connections are waiting to say the token now (at most MAX_PENDING)."""
+        with self._lock:
+            return len(self._pending)
 
     def signal(self, host: str, pid: int, number: int) -> bool:
         """Ask process `pid` on `host` (one that holds a lifeline) to raise signal `number` in itself; False when no
@@ -171,7 +180,10 @@ class LifelineServer:
             return
         conn.setblocking(False)
         with self._lock:
+            oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING else None
             self._pending[conn] = (time.monotonic() + self.handshake_seconds, b"")
+        if oldest is not None:  # dicts keep their order of insertion: the first is the longest waiting
+            self._drop(selector, oldest)
         selector.register(conn, selectors.EVENT_READ)
 
     def _heard(self, selector: selectors.BaseSelector, conn: socket.socket, data: bytes) -> None:

@@ -9,6 +9,7 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import psutil
 
@@ -20,6 +21,25 @@ BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU; "mpi": nbdist'
 ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
 DEFAULT_CPU_ENGINES = 2
 HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
+MAX_SECONDS = 10**9  # about 31 years: the longest timeout taken (torch's timedelta overflows far above; inf never ends)
+
+
+def seconds(value: Any, what: str) -> float:
+    """A timeout: a positive, finite number of seconds (at most MAX_SECONDS), else one line naming `what`."""
+    value = positive_seconds(value, what)
+    if not value <= MAX_SECONDS:
+        raise DistUsageError(f"{what} must be at most {MAX_SECONDS:,} seconds (about 31 years), got {value:g}")
+    return value
+
+
+def run_timeout(value: Any, what: str = "timeout") -> float | None:
+    """The timeout of a run on the ranks: None (no limit) or seconds(); refused before anything is sent."""
+    if value is None:
+        return None
+    try:
+        return seconds(value, what)
+    except DistUsageError as e:
+        raise DistUsageError(f"{e} (or None for no limit)") from None
 
 
 def visible_gpus() -> int:
@@ -69,15 +89,21 @@ class ClusterOptions:
 
     def __post_init__(self) -> None:
         """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
-        hosts as one string ("a,b") at its commas."""
+        hosts as one string ("a,b") at its commas. Anything else that is not a list is refused by resolved()."""
         from nbdist.cluster.slurm import SlurmRequest
 
         if isinstance(self.mpi_args, str):
-            object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
+            try:
+                object.__setattr__(self, "mpi_args", tuple(shlex.split(self.mpi_args)))
+            except ValueError as e:  # an unclosed quote
+                raise DistUsageError(f"--mpi-args {self.mpi_args!r} cannot be split as a shell would: {e}") from None
         if isinstance(self.hosts, str):
-            object.__setattr__(self, "hosts", tuple(h.strip() for h in self.hosts.split(",") if h.strip()))
-        for name in ("mpi_args", "hosts"):  # any other iterable (a list, as nbdist.start always took) as a tuple
-            if hasattr(getattr(self, name), "__iter__"):
+            named = tuple(h.strip() for h in self.hosts.split(",") if h.strip())
+            if self.hosts.strip() and not named:
+                raise DistUsageError(f"--hosts {self.hosts!r} names no host")
+            object.__setattr__(self, "hosts", named)
+        for name in ("mpi_args", "hosts"):  # any other list or tuple (as nbdist.start always took) as a tuple
+            if isinstance(getattr(self, name), (list, tuple)):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "slurm", SlurmRequest.of(self.slurm))
 
@@ -85,6 +111,15 @@ class ClusterOptions:
     def names(cls) -> set[str]:
         """The options `nbdist.start()` takes besides n."""
         return {f.name for f in fields(cls)} - {"n"}
+
+    @classmethod
+    def of(cls, n: Any = None, **options: Any) -> "ClusterOptions":
+        """From `nbdist.start`'s or `nbdist.Cluster`'s keywords: an unknown option is one line listing the known."""
+        unknown = sorted(set(options) - cls.names())
+        if unknown:
+            known = ", ".join(sorted(cls.names()))
+            raise DistUsageError(f"unknown option(s) {', '.join(unknown)}: choose from {known}")
+        return cls(n=n, **options)
 
     def multi_host(self) -> bool:
         named = any(arg.split("=")[0] in HOSTFILE_FLAGS for arg in self.mpi_args)
@@ -146,20 +181,31 @@ class ClusterOptions:
             raise DistUsageError(f"cpu must be True or False, got {self.cpu!r}")
         if self.cpu and self.backend == "nccl":
             raise DistUsageError("--cpu and --backend nccl contradict each other: NCCL needs GPUs")
-        if not all(isinstance(arg, str) for arg in self.mpi_args):
-            raise DistUsageError(f"mpi_args must be strings, got {self.mpi_args!r}")
+        self._check_types()
+        seconds(self.timeout, "--timeout")
+        seconds(self.collective_timeout, "collective_timeout")
         self._check_hosts()
         if not devices.wants_gpus(self.backend, self.cpu):
             gpus = 0
         elif gpus is None:
             gpus = visible_gpus()
         n = self._engine_count(gpus)
-        positive_seconds(self.timeout, "--timeout")
-        positive_seconds(self.collective_timeout, "collective_timeout")
         if not self.multi_host():
             self._check_fits(n, gpus)
         self.mpiexec()
         return replace(self, n=n)
+
+    def _check_types(self) -> None:
+        """mpi_args and hosts are lists of strings; hostfile and iface a string (or None)."""
+        for name, value in (("mpi_args", self.mpi_args), ("hosts", self.hosts)):
+            if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
+                raise DistUsageError(f"{name} must be a list of strings or one string, got {value!r}")
+        if self.mpi_args and not self.mpi_args[0].startswith("-"):
+            raise DistUsageError(f"--mpi-args must begin with an mpiexec option, got {self.mpi_args[0]!r}: mpiexec "
+                                 "would take it for the program to run")
+        for name, value in (("hostfile", self.hostfile), ("iface", self.iface)):
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
+                raise DistUsageError(f"{name} must be a non-empty string, got {value!r}")
 
     def _check_hosts(self) -> None:
         """--hosts and --hostfile: one of them, names that resolve, a host file that exists."""
@@ -189,7 +235,12 @@ class ClusterOptions:
     def _slurm_engines(self) -> int:
         """With --slurm the allocation decides the engines: nodes × tasks per node, or an existing allocation's
         tasks; -n, if given, must agree."""
-        n = self.slurm.engines or int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NNODES") or 1)
+        request = self.slurm
+        whole_number(request.nodes, "--nodes")
+        for flag, value in (("--tasks-per-node", request.tasks_per_node), ("--gpus-per-node", request.gpus_per_node)):
+            if value is not None:
+                whole_number(value, flag)
+        n = request.engines or int(os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NNODES") or 1)
         if self.n is not None and self.n != n:
             raise DistUsageError(f"-n {self.n}, but the Slurm allocation runs {n} engines (nodes × tasks per node): "
                                  f"leave -n out, or ask Slurm for {self.n}")

@@ -5,6 +5,11 @@ interrupted by SIGINT). So while we wait we watch each rank: once one has failed
 period; whoever is still running then is interrupted (SIGINT: a local signal on the kernel's host, sent down the
 rank's lifeline on any other host), and if that does not free it the engines are restarted. The same happens on a
 timeout and on the kernel's interrupt. The user is told exactly what was done.
+
+What reaches the cell is bounded: a shown rank's stdout or stderr beyond OUTPUT_CAP characters in one call is
+kept whole in a file of the cluster's folder instead, and one line says how much was left out and where it is.
+Ranks that failed the same way are said once (tracebacks.grouped); `last_tracebacks()` keeps every frame of the
+last failure for `%dist_traceback`.
 """
 from __future__ import annotations
 
@@ -14,17 +19,32 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from nbdist.cluster.deaths import unreachable_line
-from nbdist.cluster.tracebacks import remote_summary, remote_traceback
+from nbdist.cluster.tracebacks import grouped, ranks_label, remote_summary, remote_traceback, whole_traceback
 from nbdist.errors import DistError, DistInterrupt
+from nbdist.units import format_bytes
 
 ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
 INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was
 # seen too short once on 2 cores under a load of 8+ busy processes: a rank polling MPI was restarted, not freed)
 SHOW_MODES = ("rank0", "all", "none")
 DIED = "an engine process died (which ends the whole MPI job)"
+OUTPUT_CAP = 2**20  # characters of one rank's stdout (or stderr) one call shows in the cell; the rest goes to a file
+_last_failure: list[tuple[int, str]] = []  # (rank, whole traceback) of the last failure, for %dist_traceback
+
+
+def last_tracebacks() -> dict[int, str]:
+    """Every frame of each rank's traceback in the last failure (what `%dist_traceback` shows), by rank."""
+    return dict(_last_failure)
+
+
+def write_grouped(by_rank: Iterable[tuple[int, str]], out) -> None:
+    """Each text once, labelled on every line with the ranks that said it ("[ranks 0-3] ...")."""
+    for ranks, text in grouped(by_rank):
+        out.write(_prefixed(text.rstrip("\n") + "\n", f"[{ranks_label(ranks)}]"))
+    out.flush()
 
 
 def label(rank: int) -> str:
@@ -37,12 +57,19 @@ def _prefixed(text: str, prefix: str) -> str:
 
 @dataclass
 class OutputRelay:
-    """Copies each shown rank's stdout, stderr and displays into the notebook as they arrive, labelled by rank."""
+    """Copies each shown rank's stdout, stderr and displays into the notebook as they arrive, labelled by rank, up to
+    `cap` characters per rank and stream; `keep(rank, stream, text)` writes a stream that went past it to a file
+    and returns its path (None if it could not)."""
 
     ranks: Sequence[int]
     shown: set[int]
+    keep: Callable[[int, str, str], str | None] | None = None
+    cap: int = OUTPUT_CAP
     _sent: dict = field(default_factory=dict)
     _partial: dict = field(default_factory=dict)
+    _written: dict = field(default_factory=dict)  # (rank, stream) -> characters written into the cell
+    _cut: set = field(default_factory=set)  # (rank, stream) that reached the cap
+    _said: set = field(default_factory=set)  # (rank, stream) whose cut was said
 
     def relay(self, metadata: Sequence[dict], final: bool = False) -> None:
         for rank, md in zip(self.ranks, metadata):
@@ -53,21 +80,45 @@ class OutputRelay:
             self._relay_displays(rank, md)
 
     def _relay_stream(self, rank: int, md: dict, name: str, out, final: bool) -> None:
+        key = (rank, name)
         text = md.get(name) or ""
-        start = self._sent.get((rank, name), 0)
+        start = self._sent.get(key, 0)
         if len(text) <= start and not final:
             return
-        pending = self._partial.get((rank, name), "") + text[start:]
-        self._sent[(rank, name)] = len(text)
-        complete, _, rest = pending.rpartition("\n")
-        if final and rest:
-            complete, rest = pending, ""
-        elif complete:
-            complete += "\n"
-        self._partial[(rank, name)] = rest
+        self._sent[key] = len(text)
+        if key not in self._cut:
+            self._write(key, self._partial.get(key, "") + text[start:], out, final)
+        if key in self._cut and final and key not in self._said:
+            self._said.add(key)
+            self._say_cut(key, text, out)
+
+    def _write(self, key: tuple[int, str], pending: str, out, final: bool) -> None:
+        """Whole lines of `pending` into the cell (all of it when final), up to the cap."""
+        room = self.cap - self._written.get(key, 0)
+        if len(pending) > room:
+            complete, rest = pending[:room], ""
+            self._cut.add(key)
+        else:
+            complete, _, rest = pending.rpartition("\n")
+            if final and rest:
+                complete, rest = pending, ""
+            elif complete:
+                complete += "\n"
+        self._partial[key] = rest
         if complete:
-            out.write(_prefixed(complete if complete.endswith("\n") else complete + "\n", label(rank)))
+            out.write(_prefixed(complete if complete.endswith("\n") else complete + "\n", label(key[0])))
             out.flush()
+            self._written[key] = self._written.get(key, 0) + len(complete)
+
+    def _say_cut(self, key: tuple[int, str], text: str, out) -> None:
+        rank, name = key
+        where = self.keep(rank, name, text) if self.keep is not None else None
+        total = len(text.encode(errors="replace"))
+        shown = len(text[: self._written.get(key, 0)].encode(errors="replace"))
+        rest = f"all {format_bytes(total)} of it is in {where}" if where else "the rest could not be kept"
+        out.write(f"{label(rank)} {name} cut after {format_bytes(shown)}: {format_bytes(total - shown)} more not "
+                  f"shown; {rest}\n")
+        out.flush()
 
     def _relay_displays(self, rank: int, md: dict) -> None:
         outputs = md.get("outputs") or []
@@ -245,10 +296,11 @@ class Waiter:
         if not failed and reason is None and action is None:
             return
         self._finish_output()
-        for rank, error in failed.items():
-            sys.stderr.write(_prefixed(remote_traceback(error).rstrip("\n") + "\n", label(rank)))
-        sys.stderr.flush()
-        raised = [f"rank {r} raised {remote_summary(e)}" for r, e in failed.items() if not _interrupted(e)]
+        if failed:
+            _last_failure[:] = [(rank, whole_traceback(error)) for rank, error in failed.items()]
+        write_grouped(((r, remote_traceback(e)) for r, e in failed.items()), sys.stderr)
+        said = grouped((r, remote_summary(e)) for r, e in failed.items() if not _interrupted(e))
+        raised = [f"{ranks_label(ranks)} raised {summary}" for ranks, summary in said]
         interrupted = [r for r, e in failed.items() if _interrupted(e)]
         parts = [p for p in (reason, "; ".join(raised)) if p]
         if action:

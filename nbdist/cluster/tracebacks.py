@@ -1,16 +1,21 @@
-"""A rank's traceback as the user needs it: their own frames, not ipyparallel's nor nbdist's.
+"""A rank's traceback as the user needs it: their own frames, not those of the libraries under them.
 
 ipyparallel sends back an engine's IPython-formatted traceback. Most of its frames are the machinery that ran the
-user's code (ipyparallel's apply, nbdist's engine entry points); the story a person debugging *their* code needs is
-their frames and the error. `user_frames` keeps those, and gives functions defined in a notebook cell (sent by
-value, whose source the rank does not have) their source back from the kernel. NBDIST_DEBUG=1 keeps everything.
+user's code (ipyparallel's apply, nbdist's engine entry points) or the libraries it called (torch's modules, the
+standard library); the story a person debugging *their* code needs is their frames and the error. `user_frames`
+keeps those, and gives functions defined in a notebook cell (sent by value, whose source the rank does not have)
+their source back from the kernel; a line under the traceback says which libraries' frames were hidden.
+`%dist_traceback` shows the last failure's tracebacks whole; NBDIST_DEBUG=1 keeps everything, always.
+
+Several ranks failing the same way (the same folded traceback) are said once, naming the ranks (`grouped`).
 """
 from __future__ import annotations
 
 import linecache
 import os
 import re
-from typing import Iterator
+from collections import Counter
+from typing import Iterable, Iterator, Sequence
 
 from nbdist.errors import debugging
 from nbdist.wire import SENT_BY_VALUE, defined_in
@@ -23,21 +28,56 @@ def remote_summary(error: BaseException) -> str:
     return f"{ename}: {evalue}" if evalue else ename
 
 
+def whole_traceback(error: BaseException) -> str:
+    """A rank's traceback with every frame, as the engine sent it."""
+    return getattr(error, "traceback", None) or remote_summary(error)
+
+
 def remote_traceback(error: BaseException) -> str:
-    """A rank's traceback as the user needs it: their frames, not ipyparallel's nor nbdist's (NBDIST_DEBUG=1: all)."""
-    text = getattr(error, "traceback", None) or remote_summary(error)
-    return text if debugging() else "\n".join(user_frames(text.splitlines()))
+    """A rank's traceback as the user needs it: their frames, then a line naming the libraries whose frames were
+    hidden (NBDIST_DEBUG=1: everything)."""
+    text = whole_traceback(error)
+    if debugging():
+        return text
+    hidden: Counter = Counter()
+    kept = user_frames(text.splitlines(), hidden)
+    return "\n".join(kept + ([hidden_note(hidden)] if hidden else []))
+
+
+def hidden_note(hidden: Counter) -> str:
+    frames = sum(hidden.values())
+    names = ", ".join(name for name, _ in hidden.most_common())
+    return f"({frames} frame{'s' if frames > 1 else ''} of {names} hidden: %dist_traceback shows every frame)"
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FRAME_HEADER = re.compile(r"^(?:File (?P<path>.+?):(?P<line>\d+)\b(?:, in (?P<name>[^(\s]+))?|Cell In\[|Input In \[)")
 NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above cluster/
-HIDDEN_PARTS = (f"{os.sep}ipyparallel{os.sep}", f"site-packages{os.sep}nbdist{os.sep}")
+# An installed library's file (site-packages/NAME/...), or the standard library's (lib/python3.X/NAME...)
+LIBRARY = re.compile(r"[\\/]lib(?:64)?[\\/]python3[\d.]*[\\/](?:(?P<installed>(?:site|dist)-packages)[\\/])?"
+                     r"(?P<name>[^\\/.]+)")
+# What runs every call (and nbdist's own errors are one line by design): not worth a mention when hidden
+PLUMBING = {"nbdist", "ipyparallel", "IPython", "ipykernel", "python"}
 NO_SOURCE = "Could not get source"
 
 
-def user_frames(lines: list[str]) -> list[str]:
-    """Drop the frames of an IPython-formatted traceback that belong to ipyparallel or nbdist.
+def library_of(path: str) -> str | None:
+    """The library a frame's file belongs to ("torch", "nbdist", "python" for the standard library), or None for
+    the user's own code (a notebook cell, a module of theirs)."""
+    if path.startswith(NBDIST_DIR + os.sep):
+        return "nbdist"
+    if path.startswith("<frozen "):
+        return "python"
+    found = LIBRARY.search(path)
+    if found is None:
+        return None
+    return found.group("name") if found.group("installed") else "python"
+
+
+def user_frames(lines: list[str], hidden: Counter | None = None) -> list[str]:
+    """Drop the frames of an IPython-formatted traceback that belong to libraries (nbdist, ipyparallel, torch, the
+    standard library...); `hidden` counts them by library, the machinery of every call (nbdist, ipyparallel,
+    IPython, the standard library's) left out.
 
     A frame is its header line ("File path:line, in f(...)" or "Cell In[n], line k") and the lines up to the next
     blank one. The `<string>` frame right after a hidden one is ipyparallel's `exec` of the call, hidden too.
@@ -50,9 +90,12 @@ def user_frames(lines: list[str]) -> list[str]:
             kept += block
             continue
         path = match.group("path") or ""
-        hidden = _hidden(path) or (path == "<string>" and hide_string_frame)
-        hide_string_frame = hidden
-        if not hidden:
+        library = library_of(path)
+        hidden_here = library is not None or (path == "<string>" and hide_string_frame)
+        hide_string_frame = hidden_here
+        if hidden_here and hidden is not None and library not in PLUMBING | {None}:
+            hidden[library] += 1
+        if not hidden_here:
             if path == SENT_BY_VALUE and defined_in(match.group("name") or "") is not None:
                 path = defined_in(match.group("name"))
                 block = [block[0].replace(SENT_BY_VALUE, path, 1)] + block[1:]
@@ -86,10 +129,6 @@ def _blocks(lines: list[str]) -> Iterator[list[str]]:
         yield frame
 
 
-def _hidden(path: str) -> bool:
-    return path.startswith(NBDIST_DIR + os.sep) or any(part in path for part in HIDDEN_PARTS)
-
-
 def _with_kernel_source(block: list[str], path: str, line: int) -> list[str]:
     """An engine cannot read the source of a function defined in a notebook cell; the kernel can (linecache)."""
     body = [ANSI.sub("", text) for text in block[1:] if text.strip()]
@@ -108,3 +147,23 @@ def _numbered(number: int, text: str, current: bool) -> str:
     digits = str(number)
     prefix = "-" * max(1, 5 - len(digits)) + "> " + digits if current else digits.rjust(7)
     return f"{prefix} {text}"
+
+
+def ranks_label(ranks: Sequence[int]) -> str:
+    """'rank 1', 'ranks 0, 2', 'ranks 0-3' (runs of three or more as a range)."""
+    ranks = sorted(ranks)
+    parts, start = [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            run = ranks[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(r) for r in run]
+            start = i
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(parts)}"
+
+
+def grouped(by_rank: Iterable[tuple[int, str]]) -> list[tuple[list[int], str]]:
+    """Ranks that said the same text, together: [(ranks, text)], in the order of each text's first rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in by_rank:
+        groups.setdefault(text, []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
