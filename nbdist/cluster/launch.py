@@ -72,6 +72,8 @@ def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.Lifel
     }
     if options.iface:
         env[addresses.IFACE_ENV] = options.iface
+    if kernel_address == addresses.LOOPBACK:  # every engine on this host: MPICH's transport listens on no port
+        env.update({k: v for k, v in addresses.ONE_HOST_TRANSPORTS.items() if k not in os.environ})  # yours win
     env["PYTHONPATH"] = os.pathsep.join(_kernel_import_paths())
     return env
 

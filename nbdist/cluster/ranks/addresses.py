@@ -6,11 +6,18 @@ answer is the kernel's own: the address a packet to that peer would leave from (
 only asks the routing table). The kernel finds its address toward the engines' hosts (controller, lifeline, Hydra's
 `-localhost`); rank 0 finds its address toward the kernel and serves the process-group rendezvous there, so no
 variable has to be passed by hand. `NBDIST_MASTER_ADDR` (the kernel's address) and a named interface still override.
+
+On one host the reverse question: how to keep what the cluster listens on to this host. The transports' settings
+for that are here (`ONE_HOST_TRANSPORTS`, `loopback_interface`), and so is the guard on the one socket no setting
+moves, Hydra's control port (`inherited_listeners`, `only_from_this_host`).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
+import struct
+import sys
 
 from nbdist.errors import DistUsageError
 
@@ -18,6 +25,10 @@ KERNEL_ADDRESS_ENV = "NBDIST_KERNEL_ADDR"  # given to the engines: the kernel's 
 MASTER_ADDR_ENV = "NBDIST_MASTER_ADDR"  # set by a user: the address other hosts reach the kernel's host by
 IFACE_ENV = "NBDIST_IFACE"  # a network interface to use on every host (its first IPv4 address)
 LOOPBACK = "127.0.0.1"
+# On one host MPICH's network module listens on no TCP port: UCX (the mpich wheel's default netmod) with its own and
+# shared-memory transports only, or libfabric's shared-memory provider where MPICH runs over libfabric (its ranks
+# on one host talk through MPICH's shared memory either way). A value the user set wins.
+ONE_HOST_TRANSPORTS = {"UCX_TLS": "self,sm", "FI_PROVIDER": "shm"}
 
 
 def resolve(host: str) -> str:
@@ -75,3 +86,69 @@ def address_toward(peers: list[str], iface: str | None = None) -> str:
         if not is_local(address):
             return route_toward(address)
     return LOOPBACK
+
+
+def loopback_interface() -> str:
+    """The name of this host's loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
+            return name
+    return "lo"
+
+
+def inherited_listeners() -> list[int]:
+    """This process's listening TCP sockets bound to every interface (0.0.0.0 or ::). Asked by an engine before it
+    opens any, these are what it inherited: Hydra's control port, which mpiexec binds to every interface (MPICH's
+    Hydra has no setting to bind it elsewhere) and leaves open in the proxies and ranks it starts."""
+    found = []
+    folder = f"/proc/{os.getpid()}/fd"
+    for name in os.listdir(folder) if sys.platform == "linux" else []:
+        try:
+            if not os.readlink(os.path.join(folder, name)).startswith("socket:"):
+                continue
+            copy = os.dup(int(name))
+        except OSError:  # gone (the listing's own descriptor)
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue
+        with sock:
+            try:
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                inet = sock.family in (socket.AF_INET, socket.AF_INET6)
+                wildcard = inet and sock.getsockname()[0] in ("0.0.0.0", "::")
+            except OSError:
+                continue
+            if listening and wildcard and sock.type == socket.SOCK_STREAM:
+                found.append(int(name))
+    return found
+
+
+class _Instruction(ctypes.Structure):  # struct sock_filter: one classic BPF instruction
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+_SO_ATTACH_FILTER = 26  # Linux's setsockopt option (socket.SO_ATTACH_FILTER is not in Python's socket module)
+_LOAD_IFINDEX = 0x20, 0xFFFFF008  # ld [SKF_AD_OFF + SKF_AD_IFINDEX]: the device the packet arrived on
+_JUMP_IF_EQUAL, _RETURN = 0x15, 0x06
+
+
+def only_from_this_host(fd: int) -> None:
+    """Make listening socket `fd` answer this host alone: a socket filter (classic BPF, as tcpdump's) drops every
+    packet that did not arrive on the loopback device, so a connection from another host gets no answer, and one
+    from this host, to any of its addresses (all of which arrive on loopback), is accepted as before. The filter
+    belongs to the socket, not to this descriptor: it holds for every process that shares it (mpiexec included)."""
+    loopback = socket.if_nametoindex(loopback_interface())
+    program = (_Instruction * 4)(
+        _Instruction(_LOAD_IFINDEX[0], 0, 0, _LOAD_IFINDEX[1]),
+        _Instruction(_JUMP_IF_EQUAL, 0, 1, loopback),
+        _Instruction(_RETURN, 0, 0, 0xFFFFFFFF),  # keep the packet
+        _Instruction(_RETURN, 0, 0, 0),  # drop it
+    )
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        fprog = struct.pack("HP", len(program), ctypes.addressof(program))  # struct sock_fprog: length, pointer
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)

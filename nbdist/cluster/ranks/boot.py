@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import stat
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -30,24 +32,46 @@ class RankInfo:
     host: str
     pid: int
     device: str
-    backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU engines) or "cpu:gloo,cuda:nccl" (GPU engines)
+    backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU), "cpu:gloo,cuda:nccl" (GPU engines)
     boot_seconds: float
 
 
 def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
-    """torch.distributed's key-value store for the rendezvous: rank 0 serves it on a port the OS picks while it
-    binds (no port chosen first and bound later, which another process may take in between), and everyone learns
-    its address and port over MPI: rank 0's own address toward the kernel, which every host reaches (the kernel's
-    address would not do: the store runs where rank 0 runs)."""
-    from torch.distributed import TCPStore
+    """torch.distributed's key-value store for the rendezvous. It has no authentication (whoever reaches it may
+    read, set and delete its keys), so it is kept where only the cluster reaches it: with every rank on the
+    kernel's host, a FileStore in the cluster's own folder (no socket at all); with every rank on one other host, a
+    TCPStore on loopback; over several hosts, a TCPStore on rank 0's address toward the kernel, which every host
+    reaches (the kernel's own address would not do: the store runs where rank 0 runs). Rank 0 makes it and tells
+    everyone where over MPI."""
+    from torch.distributed import FileStore, TCPStore
 
-    store, address = None, None
-    if comm.rank == 0:
-        host = "127.0.0.1" if single_host else _address_for_the_others()
-        store = TCPStore(host, 0, comm.size, True, timeout, wait_for_workers=False)
-        address = (host, store.port)
-    host, port = comm.bcast(address, root=0)
-    return store if store is not None else TCPStore(host, port, comm.size, False, timeout)
+    store, where = _serve_store(comm.size, single_host, timeout) if comm.rank == 0 else (None, None)
+    kind, place = comm.bcast(where, root=0)
+    if store is not None:
+        return store
+    return FileStore(place, comm.size) if kind == "file" else TCPStore(*place, comm.size, False, timeout)
+
+
+def _serve_store(size: int, single_host: bool, timeout: datetime.timedelta):
+    """Rank 0's store and where the others find it: ("file", path) or ("tcp", (address, port)). A TCPStore is
+    handed a socket bound here, to the one address (torch's own binds every interface, whatever address it is
+    given), on a port the OS picks while it binds (none chosen first and bound later, which another process may
+    take in between)."""
+    from torch.distributed import FileStore, TCPStore
+
+    from nbdist.cluster.ranks import addresses
+
+    folder = _private_folder() if single_host else None
+    if folder is not None:
+        handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=folder)  # readable and writable by this user alone
+        os.close(handle)
+        return FileStore(path, size), ("file", path)
+    address = addresses.LOOPBACK if single_host else addresses.resolve(_address_for_the_others())
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listening.bind((address, 0))
+    port = listening.getsockname()[1]
+    store = TCPStore(address, port, size, True, timeout, wait_for_workers=False, master_listen_fd=listening.detach())
+    return store, ("tcp", (address, port))
 
 
 def _address_for_the_others() -> str:
@@ -59,6 +83,37 @@ def _address_for_the_others() -> str:
         return addresses.interface_address(os.environ[addresses.IFACE_ENV])
     kernel = os.environ.get(addresses.KERNEL_ADDRESS_ENV)
     return addresses.route_toward(kernel) if kernel and kernel != addresses.LOOPBACK else socket.getfqdn()
+
+
+def _private_folder() -> str | None:
+    """The cluster's own folder, where this engine runs on the kernel's host: ipyparallel's profile directory,
+    which nbdist makes for the cluster (0700) and removes at its stop. None on another host (the path there is not
+    the cluster's), and where the folder is not this user's alone."""
+    from nbdist.cluster import lifeline
+
+    folder = os.environ.get(lifeline.PROFILE_ENV)
+    if not folder or not lifeline.on_kernel_host():
+        return None
+    try:
+        found = os.stat(folder)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o077
+    return folder if private else None
+
+
+def _keep_to_this_host(inherited: list[int]) -> None:
+    """Every rank on one host: gloo and NCCL listen on the loopback interface (unless the user named one), and the
+    listening sockets this engine inherited (Hydra's control port, on every interface: Hydra cannot be told
+    otherwise) answer this host alone (addresses.only_from_this_host). MPICH itself listens on no port here: the
+    kernel gave the engines addresses.ONE_HOST_TRANSPORTS."""
+    from nbdist.cluster.ranks import addresses
+
+    interface = addresses.loopback_interface()
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, interface)
+    for fd in inherited:
+        addresses.only_from_this_host(fd)
 
 
 def _visible_gpus(requested: str, cpu: bool) -> int:
@@ -115,6 +170,9 @@ def boot() -> RankInfo:
     if booted is not None:
         return booted
     started = time.perf_counter()
+    from nbdist.cluster.ranks import addresses
+
+    inherited = addresses.inherited_listeners()  # before MPI and torch open their own
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -122,6 +180,8 @@ def boot() -> RankInfo:
     local_rank, ranks_on_host = node.rank, node.size
     single_host = ranks_on_host == comm.size
     node.Free()
+    if single_host:
+        _keep_to_this_host(inherited)
     binding = _bind(comm, local_rank, ranks_on_host)
     timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
     store = _rendezvous_store(comm, single_host, timeout)
