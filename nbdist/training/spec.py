@@ -13,6 +13,7 @@ from typing import Any
 
 SYNC_KINDS = ("allreduce", "local-sgd", "easgd", "ssp")
 PRECISIONS = ("fp32", "bf16", "fp16")
+NONFINITE = ("stop", "warn", "ignore")  # what a NaN or infinite training loss does to the fit
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Optimization:
     lr_schedule: Any = None  # step -> factor of the initial learning rate (in a TrainSpec: cloudpickled)
     sync: str = "allreduce"  # or "local-sgd", "easgd", "ssp": whole replicas, synchronised by their rule
     sync_options: dict = field(default_factory=dict)
+    on_nonfinite: str = "stop"  # a NaN / inf loss: stop the fit at that step (one line), or "warn" / "ignore" and go on
 
 
 @dataclass(frozen=True)

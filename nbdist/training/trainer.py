@@ -15,7 +15,6 @@ per rank, the step's compute, communication and idle seconds.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import signal
 import sys
@@ -24,12 +23,14 @@ from typing import Callable
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
-from nbdist.errors import DistInterrupt, DistUsageError
+from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
-from nbdist.training import checkpoints
+from nbdist.training import checkpoints, inputs
 from nbdist.training.history import History
+from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
 from nbdist.training.spec import (
+    NONFINITE,
     PRECISIONS,
     SYNC_KINDS,
     Checkpointing,
@@ -44,15 +45,22 @@ from nbdist.wire import portable
 _numbers = itertools.count()
 
 
+class NonFiniteLoss(DistError):
+    """The loss was NaN or infinite at a step (on_nonfinite="stop"): the message names the step, the ranks, where
+    the fit stopped and what the weights hold; the history keeps every step up to there."""
+
+
 class Trainer:
     """A training run on the cluster (see the module docstring). Its options, by concern (each as keywords, or as
     one object: nbdist.training.spec):
     - layout, `plan`: None (data parallel over every engine), a Layout or a dict of nbdist.shard's choices (dp,
       tp, zero, ...), or a Plan;
     - `data=Data(batch_size, seed, eval_data_fn, eval_every, eval_batches)`;
-    - `optimization=Optimization(precision, grad_accum, clip, lr_schedule, sync, sync_options)`: `sync`
-      "allreduce" (the plan's own synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a whole
-      model; `sync_options` e.g. {"period": 4});
+    - `optimization=Optimization(precision, grad_accum, clip, lr_schedule, sync, sync_options, on_nonfinite)`:
+      `sync` "allreduce" (the plan's own synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a
+      whole model; `sync_options` e.g. {"period": 4}); `on_nonfinite` what a NaN or infinite loss does: "stop"
+      the fit after that step (NonFiniteLoss, one line naming the step and the ranks), "warn" (one line, training
+      goes on) or "ignore";
     - `checkpointing=Checkpointing(dir, every, asynchronous)` (keywords checkpoint_dir, checkpoint_every,
       async_checkpoint);
     - `telemetry=Telemetry(live, tensorboard, trace, straggler)`: `live` the dashboard in a notebook (True), none
@@ -66,19 +74,21 @@ class Trainer:
                  lr_schedule: Callable[[int], float] | None = None, eval_data_fn: Callable | None = None,
                  eval_every: int | None = None, eval_batches: int = 4, straggler: dict | None = None,
                  async_checkpoint: bool = False, live: bool = True, tensorboard: str | None = None,
-                 trace: str | None = None, cluster: Cluster | None = None, data: Data | None = None,
-                 optimization: Optimization | None = None, checkpointing: Checkpointing | None = None,
-                 telemetry: Telemetry | None = None):
+                 trace: str | None = None, on_nonfinite: str = "stop", cluster: Cluster | None = None,
+                 data: Data | None = None, optimization: Optimization | None = None,
+                 checkpointing: Checkpointing | None = None, telemetry: Telemetry | None = None):
         self.cluster = cluster or current()
         self.data = _one_place("data", data, Data(batch_size, seed, eval_data_fn, eval_every, eval_batches))
         self.optimization = _one_place("optimization", optimization, Optimization(
-            precision, grad_accum, clip, lr_schedule, sync, dict(sync_options or {})))
+            precision, grad_accum, clip, lr_schedule, sync, dict(sync_options or {}), on_nonfinite))
         self.checkpointing = _one_place("checkpointing", checkpointing,
                                         Checkpointing(checkpoint_dir, checkpoint_every, bool(async_checkpoint)))
         self.telemetry = _one_place("telemetry", telemetry, Telemetry(live, tensorboard, trace, dict(straggler or {})))
-        _check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
         d, o, c = self.data, self.optimization, self.checkpointing
-        _check(d, o, c)
+        inputs.check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
+                               lr_schedule=o.lr_schedule, eval_data_fn=d.eval_data_fn)
+        _check(d, o, c, self.cluster.world_size)
+        inputs.check_telemetry(self.telemetry.live, self.telemetry.straggler, self.cluster.world_size)
         if c.dir:
             c = self.checkpointing = replace(c, dir=checkpoints.writable(c.dir))  # one line if it cannot be
         self.id = f"train{next(_numbers)}"
@@ -92,12 +102,15 @@ class Trainer:
         if pipelined and o.precision == "fp16":
             raise DistUsageError("precision='fp16' with pp > 1 is not supported: loss scaling would need every stage "
                                  "to agree on the steps it skips (use bf16, or a pp = 1 plan)")
-        self.cluster.run(on_ranks.seed_everything, d.seed)
+        said = next(filter(None, self.cluster.run(on_ranks.prepare, d.seed, portable(optimizer_fn))), None)
+        if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
+            raise DistUsageError(said)
         self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
         try:
             self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
             evaluated = d.eval_data_fn if d.eval_every else None
-            pipeline = {"shapes": self._pipeline_shapes(data_fn, d.batch_size, evaluated)} if pipelined else {}
+            pipeline = ({"shapes": self._pipeline_shapes(data_fn, loss_fn, d.batch_size, o.precision, evaluated)}
+                        if pipelined else {})
             whole = WholeReplicas(portable(model_fn), portable(optimizer_fn)) if self.plan is None else None
             self.spec = TrainSpec(
                 name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None,
@@ -107,6 +120,10 @@ class Trainer:
                 checkpointing=c, straggler=self.telemetry.straggler,
                 whole_replicas=whole, pipeline=pipeline)
             infos = self.cluster.run(on_ranks.setup, self.spec)
+            said = inputs.failure_line(infos)
+            if said:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
+                self.cluster.run(on_ranks.close, self.id)
+                raise DistUsageError(said)
         except BaseException:
             self._close_model()  # the plan's model was built on the ranks: free it with the failed trainer
             raise
@@ -138,19 +155,39 @@ class Trainer:
                                  "it in one place")
         return plan
 
-    def _pipeline_shapes(self, data_fn, batch_size: int, eval_data_fn=None) -> dict:
+    def _pipeline_shapes(self, data_fn, loss_fn, batch_size: int, precision: str, eval_data_fn=None) -> dict:
         """Each pipeline stage's message shape for this batch, from one sample of the data set (read on rank 0).
-        Evaluation runs through the same stages with the same messages: its samples must be shaped alike."""
+        Evaluation runs through the same stages with the same messages: its samples must be shaped alike. The
+        sample is checked against the model's first layer and the loss function on the stages' meta shapes here: a
+        pipeline's ranks cannot agree on a failed first step (the others wait for its messages)."""
         import torch
 
-        shape, dtype = self.cluster.run(on_ranks.sample_shape, portable(data_fn), ranks=[0])[0]
+        (shape, dtype), target = self._sample(data_fn, "data_fn")
         if eval_data_fn is not None:
-            eval_shape, eval_dtype = self.cluster.run(on_ranks.sample_shape, portable(eval_data_fn), ranks=[0])[0]
+            eval_shape, eval_dtype = self._sample(eval_data_fn, "eval_data_fn")[0]
             if (eval_shape, eval_dtype) != (shape, dtype):
                 raise DistUsageError(f"with pp > 1 the evaluation samples must be shaped like the training ones "
                                      f"(the pipeline's messages are sized for them): {tuple(eval_shape)} "
                                      f"{eval_dtype} vs {tuple(shape)} {dtype}")
-        return self.model.message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
+        label = rank_inputs.named(data_fn, "data_fn")
+        said = rank_inputs.sample_mismatch(self.plan.model, torch.empty(shape, dtype=dtype), label, precision != "fp32")
+        if said:
+            raise DistUsageError(said)
+        try:
+            shapes = self.model.message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise DistUsageError(f"the model's layers do not take {label}'s inputs of {dtype} (one sample shaped "
+                                 f"{tuple(shape)}): {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
+        per_microbatch = batch_size // (self.replicas * self.plan.microbatches)
+        inputs.check_loss_on_meta(loss_fn, shapes[max(shapes)], ((per_microbatch, *target[0]), target[1]))
+        return shapes
+
+    def _sample(self, data_fn, label: str):
+        """((shape, dtype) of one sample's input, (shape, dtype) of its target), read on rank 0."""
+        said = self.cluster.run(on_ranks.sample_shape, portable(data_fn), label, ranks=[0])[0]
+        if "error" in said:
+            raise DistUsageError(said["error"])
+        return said["x"], said["y"]
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -166,7 +203,8 @@ class Trainer:
 
         wait=False: training goes on in the background and the notebook stays free (the cluster itself is busy
         until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
-        steps = self._steps(steps, epochs)
+        steps = inputs.steps_of(steps, epochs, self.dataset_length, self.data.batch_size)
+        inputs.check_lr_schedule(self.optimization.lr_schedule, self.step, steps)
         live, view = self.telemetry.live, None
         if live:  # its widgets and plotly are imported only for a dashboard
             from nbdist.training.dashboard import Dashboard
@@ -192,6 +230,15 @@ class Trainer:
         if view is not None:
             view.close(self.history, summary=not background)
         self._export()
+        failed = inputs.failure_line(results)
+        if failed:  # the first step failed on the inputs, the same on every rank
+            raise DistUsageError(failed)
+        policy = self.optimization.on_nonfinite
+        said = inputs.nonfinite_line(results, policy)
+        if said and policy == "stop":
+            raise NonFiniteLoss(said)
+        if said:
+            sys.stderr.write(f"warning: {said}\n")
         if self.stopped and not background:
             print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
         return self.history.records
@@ -200,15 +247,6 @@ class Trainer:
         """Ask every rank to stop after the step it is in (what the stop button does while fit waits)."""
         for rank in range(self.cluster.world_size):  # on every host (Cluster.signal_rank)
             self.cluster.signal_rank(rank, on_ranks.STOP_SIGNAL)
-
-    def _steps(self, steps, epochs) -> int:
-        if (steps is None) == (epochs is None):
-            raise DistUsageError("give fit either steps= or epochs=")
-        if steps is not None:
-            return whole_number(steps, "steps")
-        if not isinstance(epochs, (int, float)) or epochs <= 0:
-            raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
-        return max(1, math.ceil(epochs * self.dataset_length / self.data.batch_size))
 
     def _export(self) -> None:
         t = self.telemetry
@@ -285,10 +323,16 @@ def _one_place(concern: str, given, from_keywords):
     return given
 
 
-def _check(d: Data, o: Optimization, c: Checkpointing) -> None:
+def _check(d: Data, o: Optimization, c: Checkpointing, world: int) -> None:
     """One line for the first option that cannot work, before anything is built."""
+    from nbdist.training.ranks.sync_modes import check_options
+
     one_of(o.precision, PRECISIONS, "precision")
     one_of(o.sync, SYNC_KINDS, "sync")
+    one_of(o.on_nonfinite, NONFINITE, "on_nonfinite")
+    if not isinstance(o.sync_options, dict):
+        raise DistUsageError(f"sync_options must be a dict (e.g. {{'period': 4}}), got {type(o.sync_options).__name__}")
+    check_options(o.sync, o.sync_options, world)
     whole_number(d.batch_size, "batch_size")
     whole_number(o.grad_accum, "grad_accum")
     whole_number(d.seed, "seed", 0)
@@ -300,14 +344,12 @@ def _check(d: Data, o: Optimization, c: Checkpointing) -> None:
         raise DistUsageError("checkpoint_every needs a checkpoint_dir to write into")
     if d.eval_every and d.eval_data_fn is None:
         raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
+    if d.eval_data_fn is not None and not d.eval_every:
+        raise DistUsageError("eval_data_fn is evaluated every eval_every steps: give eval_every too")
+    if d.eval_batches != Data.eval_batches and d.eval_data_fn is None:
+        raise DistUsageError(f"eval_batches={d.eval_batches} needs an eval_data_fn (the evaluation data set)")
     if o.clip is not None and not (isinstance(o.clip, (int, float)) and o.clip > 0):
         raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {o.clip!r}")
-
-
-def _check_functions(**functions) -> None:
-    for label, fn in functions.items():
-        if not callable(fn):
-            raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
 
 
 class _graceful_stop:

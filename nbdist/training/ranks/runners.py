@@ -1,5 +1,5 @@
-"""What the Trainer's loop on a rank steps (training/ranks/training.py): a sharded model of a plan, a pipeline's stages, or
-a whole replica with its synchroniser. Each runner has `model` and `optimizer` (what checkpoints save), `run` (one
+"""What the Trainer's loop on a rank steps (training/ranks/training.py): a sharded model of a plan, a pipeline's stages,
+or a whole replica with its synchroniser. Each runner has `model` and `optimizer` (what checkpoints save), `run` (one
 training step: the loss and the seconds of communication and idle in it), `evaluate` (one batch's loss without
 gradients, or None on a rank that computes none) and `finish`."""
 from __future__ import annotations
@@ -89,9 +89,15 @@ class ReplicaRunner:
 
     def __init__(self, spec, me):
         from nbdist.training.ranks import sync_modes
+        from nbdist.training.ranks.inputs import InputError
 
-        self.model = placement.place(restore(spec.whole_replicas.model_fn)())  # moved once, before its optimizer
+        model = restore(spec.whole_replicas.model_fn)()
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        self.model = placement.place(model)  # moved once, before its optimizer
         self.optimizer = restore(spec.whole_replicas.optimizer)(self.model.parameters())
+        if not hasattr(self.optimizer, "param_groups"):
+            raise InputError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         options = spec.optimization
         self.sync = sync_modes.make(options.sync, self.model, self.optimizer, me.comm("dp"), dict(options.sync_options))
         self.microbatches = options.grad_accum

@@ -11,6 +11,12 @@ handler is installed once, when the trainer is set up): so all ranks stop after 
 optimizer intact, and `fit` continues from there. The time a rank
 waits in that all-reduce is its idle time (it finished before the slowest rank).
 
+The same all-reduce counts the ranks whose loss was not finite (NaN or infinite) and the ranks whose first step
+failed on the inputs (training/ranks/inputs.py): a non-finite loss stops every rank after the step at which they
+learn of it (on_nonfinite="stop"; the replica modes learn `lag` steps late), and a first step that failed ends the
+fit on every rank, each returning the line that says why instead of raising, so no rank traceback is shown. No
+other collective is added to a step.
+
 Each step's record: loss, learning rate, wall time, and per rank compute / communication / idle seconds
 (communication: what backward waited for after its last gradient was computed, i.e. the all-reduce not hidden
 behind compute, plus any explicit average); CPU utilisation and resident memory (psutil), GPU utilisation and
@@ -27,7 +33,8 @@ import torch
 from nbdist import data as datasets
 from nbdist.backend.ranks import waiting
 from nbdist.cluster.ranks import placement, rank_mesh, registry
-from nbdist.training.ranks import runners, telemetry
+from nbdist.training.ranks import inputs, runners, telemetry
+from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.wire import restore
 
 KIND = "trainer"
@@ -35,6 +42,9 @@ STOP_SIGNAL = signal.SIGUSR1  # "stop at the next step boundary" (SIGINT stays t
 PUBLISH_SECONDS = 0.5
 RECORDS_PUBLISHED = 256  # the newest records sent with each publication (the notebook merges them by step)
 BOUNDARY_TIMEOUT_SECONDS = 600.0
+FAILED_STEP_WAIT_SECONDS = 5.0  # how long a rank whose first step failed waits for the others at the boundary; a
+# rank left behind (in a collective its failed peer never joined: a pipeline's messages) makes it raise instead
+STOP, LOSS, LOSSES, NONFINITE, FAILED = range(5)  # the step boundary's sums
 
 
 class RankTrainer:
@@ -49,9 +59,12 @@ class RankTrainer:
         self.device = torch.device(boot().device)
         self.me = rank_mesh.here(spec.mesh)
         self.replica = self.me.coords.get("dp", 0)
-        self.dataset = restore(spec.data_fn)()
-        self.eval_set = restore(spec.data.eval_data_fn)() if spec.data.eval_data_fn else None
-        self.loss_fn = restore(spec.loss)
+        data_fn, eval_data_fn = restore(spec.data_fn), restore(spec.data.eval_data_fn)
+        self.data_label = inputs.named(data_fn, "data_fn")
+        self.dataset = inputs.checked_dataset(data_fn(), self.data_label)
+        self.eval_set = (inputs.checked_dataset(eval_data_fn(), inputs.named(eval_data_fn, "eval_data_fn"))
+                         if eval_data_fn else None)
+        self.loss_fn = inputs.CheckedLoss(restore(spec.loss))
         self.lr_schedule = restore(spec.optimization.lr_schedule)
         self.runner = runners.make(spec, self.me)
         self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
@@ -59,6 +72,11 @@ class RankTrainer:
         self.step = 0
         self.records: list[dict] = []
         self.stop_requested = False
+        self.proven = False  # a step of this trainer ran: a failure now is no longer the inputs' first step
+        self.failure: dict | None = None  # this rank's first step failed on the inputs: {"line", "traceback"}
+        self.failed_elsewhere = False  # another rank's did (the boundary said so)
+        self.nonfinite: dict[int, float] = {}  # step -> this rank's non-finite loss, until the boundary agrees on it
+        self.nonfinite_seen: dict | None = None  # this fit's first agreed non-finite step, and how many followed
         self.telemetry = telemetry.Sampler(self.device)
         self.lag = _agreement_lag(self.runner)
         self.pending: list = []  # step agreements posted and not yet completed (lag > 0): (record, request, buffers)
@@ -77,13 +95,21 @@ class RankTrainer:
         x, y = datasets.collate(dataset, indices.chunk(self.spec.replicas)[self.replica])
         return x.to(self.device), y.to(self.device)
 
-    def train_step(self) -> dict:
+    def train_step(self) -> dict | None:
+        """One step and its record; None if it was this trainer's first and failed on the inputs (self.failure)."""
         k = self.step
         self._set_learning_rate(k)
-        x, y = self.share(k)
-        started = time.perf_counter()
-        with placement.named_out_of_memory(f"step {k}", release=self._release_gradients):
-            report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
+        x = y = None
+        try:
+            x, y = self.share(k)
+            started = time.perf_counter()
+            with placement.named_out_of_memory(f"step {k}", release=self._release_gradients):
+                report = self.runner.run(k, x, y, self.loss_fn, self._autocast(), self._scale, self._apply)
+        except Exception as error:
+            if self.proven or not inputs.about_inputs(error):
+                raise
+            self._first_step_failed(k, error, x, y)
+            return None
         delay = self.spec.straggler.get(self.rank, 0.0)
         if delay:
             time.sleep(delay)
@@ -92,7 +118,12 @@ class RankTrainer:
         record = {"step": k, "loss": None, "lr": self._lr(), "rank": self.rank, "started": started,
                   "compute_s": max(0.0, computed - started - comm - report.get("idle_s", 0.0)),
                   "comm_s": comm, "samples": self.spec.data.batch_size, "staleness": report.get("staleness", [])}
-        waited = self._agree(record, report["loss"], keep=self.lag)
+        loss = report["loss"]
+        finite = loss is None or math.isfinite(loss)
+        if not finite:
+            self.nonfinite[k] = loss
+        waited = self._agree(record, loss, keep=self.lag if self.proven else 0, nonfinite=not finite)
+        self.proven = True
         record["ended"] = time.perf_counter()
         record["idle_s"] = waited + report.get("idle_s", 0.0)
         if x.dim() >= 2 and not x.is_floating_point():
@@ -138,10 +169,12 @@ class RankTrainer:
         optimizer = self.runner.optimizer
         return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
 
-    def _agree(self, record: dict, loss: float | None, keep: int = 0) -> float:
+    def _agree(self, record: dict, loss: float | None, keep: int = 0, nonfinite: bool = False,
+               failed: bool = False, seconds: float = BOUNDARY_TIMEOUT_SECONDS) -> float:
         """The step boundary: post this step's agreement (one small MPI all-reduce over the mesh: whether any rank
-        was asked to stop, and the loss), then complete the posted ones until `keep` remain; each completed one
-        gives its record the mean loss over the replicas. Returns the seconds spent waiting for the others.
+        was asked to stop, the loss, how many ranks' loss was not finite, how many ranks' first step failed), then
+        complete the posted ones until `keep` remain; each completed one gives its record the mean loss over the
+        replicas. Returns the seconds spent waiting for the others.
 
         keep = 0 (the plans) completes it at once; the replica modes keep `lag` in flight, so replicas may run up to
         `lag` steps apart, as their strategy allows (SSP's staleness + 1, local SGD's period, EASGD's tau), yet every
@@ -149,27 +182,57 @@ class RankTrainer:
         import numpy as np
         from mpi4py import MPI
 
-        mine = np.array([float(self.stop_requested or _STOP["asked"]), loss or 0.0, 1.0 if loss is not None else 0.0])
-        total = np.zeros(3)
+        mine = np.zeros(5)
+        mine[STOP] = float(self.stop_requested or _STOP["asked"])
+        mine[LOSS], mine[LOSSES] = (loss, 1.0) if loss is not None else (0.0, 0.0)
+        mine[NONFINITE], mine[FAILED] = float(nonfinite), float(failed)
+        total = np.zeros(5)
         self.pending.append((record, self.boundary.Iallreduce(mine, total, op=MPI.SUM), (mine, total)))
-        return self.complete_agreements(keep)
+        return self.complete_agreements(keep, seconds)
 
-    def complete_agreements(self, keep: int = 0) -> float:
+    def complete_agreements(self, keep: int = 0, seconds: float = BOUNDARY_TIMEOUT_SECONDS) -> float:
         """Complete the oldest posted agreements until `keep` remain; returns the seconds waited."""
         started = time.perf_counter()
         while len(self.pending) > keep:
             record, request, (mine, total) = self.pending[0]
             try:
-                waiting.complete_or_abandon([request], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
-                                             f"rank {self.rank} waited {BOUNDARY_TIMEOUT_SECONDS:g} s for the other "
+                waiting.complete_or_abandon([request], (mine, total), seconds,
+                                             f"rank {self.rank} waited {seconds:g} s for the other "
                                              f"ranks to reach step {record['step']}")
             except BaseException:
                 self._abandon_agreements()
                 raise
             self.pending.pop(0)
-            record["loss"] = float(total[1] / total[2]) if total[2] else math.nan
-            self.stop_requested = self.stop_requested or bool(total[0] > 0)
+            record["loss"] = float(total[LOSS] / total[LOSSES]) if total[LOSSES] else math.nan
+            self.stop_requested = self.stop_requested or bool(total[STOP] > 0)
+            self.failed_elsewhere = self.failed_elsewhere or bool(total[FAILED] > 0)
+            if total[NONFINITE] > 0:
+                self._nonfinite_agreed(record["step"])
         return time.perf_counter() - started
+
+    def _nonfinite_agreed(self, step: int) -> None:
+        """Every rank now knows that some rank's loss at `step` was not finite: the first such step of this fit is
+        kept with this rank's own value (None where it was finite, or computed none), and the fit stops after the
+        step in progress unless on_nonfinite says to go on."""
+        seen = self.nonfinite_seen
+        if seen is None:
+            seen = self.nonfinite_seen = {"first": step, "mine": self.nonfinite.get(step), "count": 0}
+        seen["count"] += 1
+        self.nonfinite = {k: v for k, v in self.nonfinite.items() if k > step}
+
+    def _first_step_failed(self, step: int, error: Exception, x, y) -> None:
+        """This trainer's first step failed on the inputs: say so at the step boundary, where the other ranks (whose
+        first step failed alike, as a rank's does on the same data and model) learn it too; then this rank returns
+        the line. A rank left behind in a collective would never come: after a short wait this one raises it."""
+        model = self.runner.model
+        line = inputs.first_step_line(error, self.loss_fn, x, y, self.data_label, model)
+        self.failure = {"line": line, "traceback": inputs.traceback_text(error)}
+        del error  # its traceback holds the step's tensors
+        self._release_gradients()
+        try:
+            self._agree({"step": step}, None, failed=True, seconds=FAILED_STEP_WAIT_SECONDS)
+        except TimeoutError:
+            raise inputs.InputError(line) from None
 
     def _abandon_agreements(self) -> None:
         for _, request, buffers in self.pending[1:]:  # the oldest was given up by complete_or_abandon
@@ -204,10 +267,13 @@ class RankTrainer:
         first = len(self.records)
         self.boundary = self.me.everyone.Dup()
         self.stop_requested = False  # (a request that arrived before this call began still counts: _STOP)
+        self.failure, self.failed_elsewhere, self.nonfinite_seen = None, False, None
         publish = telemetry.Publisher(self, publish_every, RECORDS_PUBLISHED)
         try:
             for _ in range(steps):
                 record = self.train_step()
+                if record is None or self.failed_elsewhere:
+                    break
                 if self._due(self.spec.data.eval_every):
                     self.complete_agreements()
                     record["eval_loss"] = self.evaluate()
@@ -218,7 +284,7 @@ class RankTrainer:
                                                            self.spec.checkpointing.asynchronous)
                     record["checkpoint_stall_s"] = self.last_save_stall_s
                 publish(force=False)
-                if self.stop_requested:
+                if self.stop_requested or self._halted():
                     break
             self.complete_agreements()
             checkpoint.settle(self, wait=True)
@@ -230,7 +296,17 @@ class RankTrainer:
                 _STOP["asked"] = False  # answered: every rank stopped at this boundary
         publish(force=True)
         return {"rank": self.rank, "records": self.records[first:], "step": self.step,
-                "stopped": self.stop_requested}
+                "stopped": self.stop_requested, "failure": self.failure, "nonfinite": self._nonfinite_report()}
+
+    def _halted(self) -> bool:
+        return self.nonfinite_seen is not None and self.spec.optimization.on_nonfinite == "stop"
+
+    def _nonfinite_report(self) -> dict | None:
+        """This fit's first non-finite step as this rank saw it, and whether the weights it holds are finite now."""
+        seen = self.nonfinite_seen
+        if seen is None or self.spec.optimization.on_nonfinite == "ignore":
+            return None
+        return {**seen, "weights_finite": inputs.finite_weights(self.runner.model), "lag": self.lag}
 
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.step % every == 0
@@ -241,44 +317,6 @@ def _agreement_lag(runner) -> int:
     synchroniser's own bound (engine/sync_base.Synchronizer.lag); the plans meet every step."""
     sync = getattr(runner, "sync", None)
     return sync.lag if sync is not None else 0
-
-
-def clip_gradients(params: list, max_norm: float, stages=None) -> torch.Tensor:
-    """Scale the gradients so that their global 2-norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_
-    does on one process; returns the norm (a tensor on the gradients' device). Everything stays on the device: each
-    gradient's sum of squares is taken where it lies (a DTensor's of its shard, summed over its mesh by
-    `full_tensor`: tensor-parallel slices and FSDP2 shards count whole, a collective in parameter order, every rank
-    alike), and the scale is applied without asking the host whether to (a coefficient clamped at 1). Only a
-    pipeline moves one number to the host: `stages`, the pipeline's MPI communicator, sums each stage's squares."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    squares = torch.stack([_sum_of_squares(g) for g in grads]).sum()
-    if stages is not None:
-        squares = torch.tensor(_sum_over(stages, float(squares)), dtype=torch.float64, device=squares.device)
-    norm = squares.sqrt()
-    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        local = getattr(g, "_local_tensor", g)  # a DTensor's own shard, scaled in place
-        local.mul_(coefficient.to(local.dtype))
-    return norm
-
-
-def _sum_of_squares(g: torch.Tensor) -> torch.Tensor:
-    """The sum of `g`'s squares in float64 on its device; a DTensor's summed over the ranks holding its shards."""
-    squares = g.detach().double().pow(2).sum()
-    return squares.full_tensor() if hasattr(squares, "full_tensor") else squares
-
-
-def _sum_over(comm, value: float) -> float:
-    """`value` summed over an MPI communicator, completed by polling (an interrupt can free it)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    mine, total = np.array([value]), np.zeros(1)
-    waiting.complete_or_abandon([comm.Iallreduce(mine, total, op=MPI.SUM)], (mine, total), BOUNDARY_TIMEOUT_SECONDS,
-                                 "the pipeline's ranks did not sum their gradient norms in time")
-    return float(total[0])
 
 
 _STOP = {"asked": False}  # set by STOP_SIGNAL, any time: also before this rank's fit call has begun
@@ -311,15 +349,44 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % (1 << 32))
 
 
-def sample_shape(data_fn: bytes) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype of one input of the data set (a pipeline's message shapes follow from it)."""
-    x, _ = restore(data_fn)()[0]
-    return tuple(x.shape), x.dtype
+def prepare(seed: int, optimizer_fn: bytes) -> str | None:
+    """Before the model is built: every rank seeded alike, and the optimizer function tried on a stand-in parameter
+    (inputs.optimizer_problem); the line that says what is wrong with it, or None."""
+    seed_everything(seed)
+    return inputs.optimizer_problem(restore(optimizer_fn))
+
+
+def sample_shape(data_fn: bytes, label: str = "data_fn") -> dict:
+    """The shape and dtype of one sample's input and target, {"x": (shape, dtype), "y": ...} (a pipeline's message
+    shapes follow from them), or {"error": line} where the data set is not one the loop can read."""
+    fn = restore(data_fn)
+    try:
+        x, y = inputs.checked_dataset(fn(), inputs.named(fn, label))[0]
+    except inputs.InputError as e:
+        return {"error": str(e)}
+    return {"x": (tuple(x.shape), x.dtype), "y": (tuple(y.shape), y.dtype)}
 
 
 def setup(spec) -> dict:
+    """This rank's side of a Trainer, registered; {"error": line} instead where its inputs do not fit (the data
+    sets, the replica's model and optimizer, a sample against the model's first layer): the same on every rank."""
+    from nbdist.cluster.ranks.boot import boot
+
     install_stop_handler()
-    trainer = registry.put(KIND, spec.name, RankTrainer(spec))
+    trainer = None
+    try:
+        trainer = RankTrainer(spec)
+        autocast = spec.optimization.precision != "fp32"
+        for dataset, label in ((trainer.dataset, trainer.data_label), (trainer.eval_set, "eval_data_fn")):
+            said = None if dataset is None else inputs.sample_mismatch(trainer.runner.model, dataset[0][0], label,
+                                                                       autocast)
+            if said:
+                raise inputs.InputError(said)
+    except inputs.InputError as e:
+        if trainer is not None and getattr(trainer.runner, "sync", None) is not None:
+            trainer.runner.sync.close()
+        return {"rank": boot().rank, "error": str(e)}
+    registry.put(KIND, spec.name, trainer)
     return {"rank": trainer.rank, "length": len(trainer.dataset)}
 
 

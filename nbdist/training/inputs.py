@@ -1,0 +1,148 @@
+"""The Trainer's inputs checked in the kernel, before anything runs on the ranks: each problem is one line naming
+the argument, what it was and what it must be. What only the ranks can tell (the data set against the model, the
+loss function's result, a first step that fails) they say themselves, in one line too (training/ranks/inputs.py);
+`failure_line` turns what they returned into that line, and `nonfinite_line` says where a loss was not finite.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+
+from nbdist.checks import whole_number
+from nbdist.errors import DistUsageError, debugging
+
+CALLS = {  # how the loop calls each function the user gives
+    "model_fn": (), "data_fn": (), "eval_data_fn": (), "loss_fn": ("output", "target"),
+    "optimizer_fn": ("params",), "lr_schedule": ("step",),
+}
+LIVE = (True, False, "always")
+
+
+def check_functions(**functions) -> None:
+    """Each given function is callable with the arguments the loop passes it (None: not given)."""
+    for label, fn in functions.items():
+        if fn is None and label in ("eval_data_fn", "lr_schedule"):
+            continue
+        if not callable(fn):
+            raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
+        arguments = CALLS[label]
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without one: the call will tell
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            raise DistUsageError(f"{label} is called as {label}({', '.join(arguments)}), but it takes "
+                                 f"{signature}") from None
+
+
+def check_lr_schedule(lr_schedule, first: int, steps: int) -> None:
+    """The factor of every step this fit runs: a finite number >= 0 (the ranks multiply the learning rate by it)."""
+    if lr_schedule is None:
+        return
+    for step in range(first, first + steps):
+        try:
+            factor = lr_schedule(step)
+        except Exception as e:  # noqa: BLE001 - the user's function: what it raised, in one line
+            raise DistUsageError(f"lr_schedule({step}) raised {type(e).__name__}: {e}") from None
+        try:
+            value = float(factor)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(factor, (str, bytes)) or not math.isfinite(value) or value < 0:
+            raise DistUsageError(f"lr_schedule({step}) gave {factor!r}: it must give a finite factor >= 0 of the "
+                                 f"optimizer's learning rate")
+
+
+def check_telemetry(live, straggler: dict, world: int) -> None:
+    if not any(live is choice for choice in LIVE):
+        raise DistUsageError(f"live must be True (the dashboard in a notebook), False or 'always', got {live!r}")
+    for rank, seconds in straggler.items():
+        whole_number(rank, "a straggler's rank", 0)
+        if rank >= world:
+            raise DistUsageError(f"straggler names rank {rank}, but the ranks are 0..{world - 1}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise DistUsageError(f"straggler={{{rank}: {seconds!r}}}: the delay must be a number of seconds >= 0")
+
+
+def check_loss_on_meta(loss_fn, output: tuple, target: tuple) -> None:
+    """loss_fn on meta tensors shaped like a micro-batch's output and targets ((shape, dtype) each; no compute): one
+    line if it returns no single number. What cannot run on the meta device is left for the ranks to say."""
+    import torch
+
+    from nbdist.training.ranks.inputs import CheckedLoss
+
+    out, y = (torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in (output, target))
+    try:
+        with torch.no_grad():
+            CheckedLoss(loss_fn)(out, y)
+    except DistUsageError as e:
+        raise DistUsageError(str(e)) from None
+    except Exception:  # noqa: BLE001 - not runnable on meta: the ranks' first step will tell
+        return
+
+
+def steps_of(steps, epochs, length: int, batch_size: int) -> int:
+    """fit's steps: `steps`, or `epochs` passes over a data set of `length` samples."""
+    if (steps is None) == (epochs is None):
+        raise DistUsageError("give fit either steps= or epochs=")
+    if steps is not None:
+        return whole_number(steps, "steps")
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
+        raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
+    return max(1, math.ceil(epochs * length / batch_size))
+
+
+def failure_line(results: list[dict]) -> str | None:
+    """One line from the ranks that returned a failure instead of raising (set-up's "error", a first step's
+    "failure"): the line, when every rank said the same; else each line with its ranks. NBDIST_DEBUG=1: the ranks'
+    tracebacks are printed first."""
+    failed = {}
+    for result in results:
+        said = result.get("error") or (result.get("failure") or {}).get("line")
+        if said:
+            failed[result["rank"]] = said
+            if debugging() and result.get("failure"):
+                sys.stderr.write("".join(f"[rank {result['rank']}] {line}\n"
+                                         for line in result["failure"]["traceback"].splitlines()))
+    if not failed:
+        return None
+    by_line: dict[str, list[int]] = {}
+    for rank, line in sorted(failed.items()):
+        by_line.setdefault(line, []).append(rank)
+    if len(by_line) == 1:  # every rank that could tell said the same
+        return next(iter(by_line))
+    return "; ".join(f"{ranks_text(ranks)}: {line}" for line, ranks in by_line.items())
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+def nonfinite_line(results: list[dict], policy: str) -> str | None:
+    """Where this fit's loss first was not finite, on which ranks, where the fit stopped (or that it went on) and
+    what the weights hold now; None when every loss was finite (or on_nonfinite="ignore")."""
+    seen = {r["rank"]: r["nonfinite"] for r in results if r.get("nonfinite")}
+    if not seen:
+        return None
+    first, count = min(s["first"] for s in seen.values()), max(s["count"] for s in seen.values())
+    values: dict[str, list[int]] = {}
+    for rank, s in sorted(seen.items()):
+        if s["mine"] is not None:
+            values.setdefault(f"{s['mine']}", []).append(rank)
+    where = ", ".join(f"{value} on {ranks_text(ranks)}" for value, ranks in values.items()) or "not finite"
+    last = max(r["step"] for r in results) - 1
+    bad = sorted(rank for rank, s in seen.items() if not s["weights_finite"])
+    weights = f"the weights are now non-finite on {ranks_text(bad)}" if bad else "the weights are still finite"
+    head = f"step {first}: the loss is {where} (the first non-finite loss of this fit)"
+    if policy == "warn":
+        return (f"{head}; on_nonfinite='warn' trained on to step {last} ({count} non-finite step"
+                f"{'s' * (count > 1)}): {weights}")
+    if last == first:
+        stopped = "the fit stopped after it, and its optimizer step had run"
+    else:
+        lag = max(s["lag"] for s in seen.values())
+        stopped = f"the fit stopped after step {last} (the replicas learn each other's losses {lag} steps late)"
+    return f"{head}; {stopped}: {weights} (on_nonfinite='warn' or 'ignore' trains on)"
