@@ -136,7 +136,26 @@ def _check_alive(cluster: ipp.Cluster) -> None:
     parts = [("controller", cluster.controller)] + [("engines' mpiexec", es) for es in cluster.engines.values()]
     for name, launcher in parts:
         if launcher is not None and (launcher.state == "after" or _ended(launcher)):
-            raise DistError(f"the {name} exited during start-up: {_complaint(_tail(launcher))}")
+            raise DistError(f"the {name} exited during start-up: {_complaint(_last_words(launcher))}")
+
+
+def _last_words(launcher, wait: float = 1.0) -> str:
+    """An ended launcher's output: once ipyparallel has seen its process end it may have read and removed the
+    output file (get_output keeps what it read; "(no output)" was said once in four starts with a bad mpiexec
+    flag), and a process seen exiting may not have written its last words yet."""
+    deadline = time.monotonic() + wait
+    while not (text := _tail(launcher) or _kept_output(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return text
+
+
+def _kept_output(launcher, lines: int = 15) -> str:
+    """What ipyparallel read of an ended launcher's output before removing its file, if it did."""
+    try:
+        text = launcher.get_output() if launcher.state == "after" else ""
+    except Exception:  # noqa: BLE001 - a launcher without output of its own
+        return ""
+    return "\n".join((text or "").strip().splitlines()[-lines:])
 
 
 def _ended(launcher) -> bool:
