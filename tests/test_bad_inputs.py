@@ -184,6 +184,8 @@ def _bad_runs(cluster, mark, lock):
         "run_each rank 7": (lambda: cluster.run_each(mark, {7: ()}), r"ranks \[7\] are not in 0..1"),
         "run_each int args": (lambda: cluster.run_each(mark, {0: 5}), "the arguments of rank 0 must be a tuple"),
         "run_each timeout=0": (lambda: cluster.run_each(mark, {0: ()}, timeout=0), "timeout must be a positive"),
+        "run_each rank 1 unpicklable": (lambda: cluster.run_each(mark, {0: (1,), 1: (lock,)}),
+                                        "mark or its arguments cannot be sent"),
         "execute 5": (lambda: cluster.execute(5), "execute takes code as a string, got int"),
         "execute timeout=-1": (lambda: cluster.execute("1", timeout=-1), "timeout must be a positive"),
         "execute output": (lambda: cluster.execute("1", output="x"), "--output must be one of rank0, all, none"),
@@ -203,8 +205,8 @@ def test_a_bad_run_is_one_line_and_runs_nothing(cluster, case, tmp_path, capfd):
         call()
     one_line(raised, says)
     assert capfd.readouterr() == ("", "")
+    assert cluster.run(lambda: 1) == [1, 1]  # the cluster is as usable as before (and each rank's queue is done)
     assert not marker.exists()  # refused before any rank ran anything
-    assert cluster.run(lambda: 1) == [1, 1]  # and the cluster is as usable as before
 
 
 def test_one_rank_or_a_list_of_ranks():

@@ -145,15 +145,30 @@ def test_stop_leaves_no_process():
         procs = c.processes()
         assert len(procs) >= 4  # controller, mpiexec, proxy, 2 engines
         temp_files = _hydra_files(procs)  # MPICH's topology files in /tmp
+        shared = _mpich_segments(procs)  # MPICH's shared memory between the ranks, a file in /dev/shm
+        assert shared
         profile = c._launched.cluster.profile_dir  # the cluster's own: connection files, logs
         assert os.listdir(os.path.join(profile, "security")) and not profile.startswith(get_ipython_dir())
         started = time.monotonic()
     assert time.monotonic() - started < 1.5
     assert wait_until_gone(procs, timeout=0.5) == []
     assert [f for f in temp_files if os.path.exists(f)] == []
+    assert [f for f in shared if os.path.exists(f)] == []
     assert not os.path.exists(profile)
     with pytest.raises(DistUsageError, match="the cluster is stopped"):
         c.run(int)
+
+
+def _mpich_segments(procs) -> set[str]:
+    """The /dev/shm files MPICH mapped into the processes, whether or not they still have a name."""
+    paths = set()
+    for proc in procs:
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                paths |= {line.split(maxsplit=5)[-1] for line in maps if " /dev/shm/mpich_" in line}
+        except OSError:
+            pass
+    return {path.removesuffix(" (deleted)") for path in paths}
 
 
 def _owned_dir(root, name: str, owner: str | None):

@@ -333,9 +333,10 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_and_none_of_it_
                                                      "checkpoint must hold data only$") as refused:
                 tr.resume(bad)  # the kernel reads it first
             assert "\n" not in str(refused.value) and capfd.readouterr() == ("", "")
-            with pytest.raises(DistError, match=r"UnreadableCheckpoint: .*would run code to load \(it names "
-                                                r"builtins.exec\)"):
-                cluster.run(on_ranks.load, tr.id, bad)  # and so do the ranks, where the kernel cannot see it
+            said = cluster.run(on_ranks.load, tr.id, bad)  # and so do the ranks, where the kernel cannot see it
+            refusals = [s for s in said if isinstance(s, str)]  # a rank reads its own .rng file alone
+            assert refusals and all(re.match(r"UnreadableCheckpoint: .*would run code to load \(it names "
+                                             r"builtins.exec\)", s) for s in refusals), said
             assert not marker.exists(), name
         assert "Traceback" not in "".join(capfd.readouterr())
         tr.resume(str(good))  # a checkpoint of data still loads
@@ -365,10 +366,9 @@ def test_a_corrupt_checkpoint_is_one_line_without_torchs_loader_logs(cluster, tm
                 tr.resume(str(path))
             assert "\n" not in str(said.value)
             assert capfd.readouterr() == ("", "")  # nothing else in the cell
-        with pytest.raises(DistError, match=r"ranks 0, 1 raised UnreadableCheckpoint: .metadata is corrupt"):
-            cluster.run(on_ranks.load, tr.id, str(good))  # the ranks' own check: one line, said once for both
-        shown = capfd.readouterr().err.splitlines()
-        assert len(shown) == 1 and re.match(r"\[ranks 0, 1\] .*UnreadableCheckpoint", shown[0]), shown
+        said = cluster.run(on_ranks.load, tr.id, str(good))  # the ranks' own check: one line each, no traceback
+        assert all(re.match(r"UnreadableCheckpoint: .metadata is corrupt", s) for s in said), said
+        assert capfd.readouterr() == ("", "")
     finally:
         tr.close()
 

@@ -286,3 +286,48 @@ def test_the_nan_sample_is_where_the_tests_say():
     bad = [i for i in range(SAMPLES) if torch.isnan(dataset[i][0]).any()]
     assert bad == [int(data.batch_indices(SAMPLES, NAN_STEP, BATCH, 0)[0])]
     assert all(bad[0] not in data.batch_indices(SAMPLES, k, BATCH, 0).tolist() for k in range(NAN_STEP))
+
+
+def nan_eval_data():
+    import torch
+
+    from nbdist import data
+
+    x, y = data.regression(samples=16, inputs=8)
+    x[:] = float("nan")
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def test_a_nan_eval_loss_is_one_warning_line_and_the_fit_goes_on(cluster, capfd):
+    """The training losses are finite (the weights too): the fit goes on, and says once where evaluation was not."""
+    capfd.readouterr()
+    records = run(cluster, eval_data_fn=nan_eval_data, eval_every=1, fit={"steps": 3})
+    assert [math.isfinite(r["loss"]) for r in records] == [True] * 3
+    assert all(math.isnan(r["eval_loss"]) for r in records)
+    out, err = capfd.readouterr()
+    assert out == "" and re.fullmatch(r"warning: step 0: the eval loss is nan \(3 of this fit's 3 evaluations not "
+                                      r"finite\): eval_data_fn's data, or the model's output on it, is not finite\n",
+                                      err), err
+    run(cluster, eval_data_fn=nan_eval_data, eval_every=1, on_nonfinite="ignore")
+    assert capfd.readouterr() == ("", "")
+
+
+def raises_on_rank_1(output, target):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ZeroDivisionError("the last stage's loss")
+    return output.sum()
+
+
+def test_a_pipeline_rank_failing_shows_its_traceback_not_the_interrupted_ranks(cluster, capfd):
+    """Rank 1 (the last stage) raises in the loss; rank 0, waiting on it, is interrupted by nbdist: the cell shows
+    rank 1's traceback and one line naming both, not rank 0's KeyboardInterrupt."""
+    capfd.readouterr()
+    with pytest.raises(Exception, match=r"rank 1 raised ZeroDivisionError: the last stage's loss; nbdist "
+                                        r"interrupted rank\(s\) 0") as raised:
+        run(cluster, loss_fn=raises_on_rank_1, plan=PIPELINE)
+    assert "\n" not in str(raised.value)
+    _, err = capfd.readouterr()
+    assert "[rank 1]" in err and "[rank 0]" not in err and "KeyboardInterrupt" not in err, err
+    trains_normally(cluster)

@@ -23,6 +23,7 @@ from nbdist.cluster.arguments import (
     chosen_ranks,
     needs_function,
     parse_rank_spec,  # noqa: F401 - nbdist.cluster.parse_rank_spec, its old home
+    sendable_to_each,
     sent,
 )
 from nbdist.cluster.deaths import DeathWatch
@@ -295,6 +296,7 @@ class Cluster:
                 raise DistUsageError(f"run_each: the arguments of rank {rank} must be a tuple, got "
                                      f"{args_by_rank[rank]!r}")
         client = self._require_running().client
+        sendable_to_each(fn, {r: args_by_rank[r] for r in chosen})
         parts = sent(fn, lambda: [client[self._engine_of_rank[r]].apply_async(fn, *args_by_rank[r]) for r in chosen])
         return self._waiter(AsyncResult.join(*parts), chosen, timeout, show={chosen[0]}, progress=progress).wait()
 

@@ -49,6 +49,16 @@ def needs_function(fn: Any, what: str) -> None:
         raise DistUsageError(f"{what} needs a function to call on the ranks, got {fn!r}")
 
 
+def sendable_to_each(fn: Callable, args_by_rank: dict[int, Sequence]) -> None:
+    """Refuse, before anything is sent, a call whose arguments for some rank cannot be pickled: sent rank by
+    rank, the ranks before it would already run (and wait in their collectives for the one that never starts).
+    The first rank's arguments are left to the send itself, which says the same line."""
+    from ipyparallel.serialize import pack_apply_message
+
+    for args in list(args_by_rank.values())[1:]:
+        sent(fn, lambda: pack_apply_message(fn, args, {}))
+
+
 def sent(fn: Callable, send: Callable[[], Any]) -> Any:
     """Send a call to the engines: what cannot be pickled (a lock, an open file, a generator...) is one line, said
     before any rank runs anything."""

@@ -298,10 +298,11 @@ class Waiter:
         self._finish_output()
         if failed:
             _last_failure[:] = [(rank, whole_traceback(error)) for rank, error in failed.items()]
-        write_grouped(((r, remote_traceback(e)) for r, e in failed.items()), sys.stderr)
+        interrupted = [r for r, e in failed.items() if _interrupted(e)]
+        causes = {r: e for r, e in failed.items() if r not in interrupted} or failed  # the rest: nbdist's interrupt
+        write_grouped(((r, remote_traceback(e)) for r, e in causes.items()), sys.stderr)
         said = grouped((r, remote_summary(e)) for r, e in failed.items() if not _interrupted(e))
         raised = [f"{ranks_label(ranks)} raised {summary}" for ranks, summary in said]
-        interrupted = [r for r, e in failed.items() if _interrupted(e)]
         parts = [p for p in (reason, "; ".join(raised)) if p]
         if action:
             parts.append(action)

@@ -187,8 +187,9 @@ class Pipeline(GatheredModel):
             self._shapes[key] = shapes
         return self._shapes[key]
 
-    def _check_batch(self, inputs, targets) -> None:
+    def _check_batch(self, inputs, targets, loss_fn) -> None:
         check_batch(inputs, targets, self.replicas, self.schedule.microbatches)
+        check_step_inputs(self.meta_model, inputs, loss_fn)
 
     # -- the interface a step's driver uses (step() here, the Stepper) ----------------------------------------------
 
@@ -203,7 +204,7 @@ class Pipeline(GatheredModel):
         """rank -> what it receives to begin a step: each replica its share of the global batch, and within it the
         first stage the inputs, the last stage the targets (nothing else crosses the network)."""
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
-        self._check_batch(inputs, targets)
+        self._check_batch(inputs, targets, loss_fn)
         shapes = self.message_shapes(inputs)
         inputs_of, targets_of = inputs.chunk(self.replicas), targets.chunk(self.replicas)
         last = self.schedule.rank_of(self.schedule.stages - 1)
@@ -397,6 +398,20 @@ def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
             raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
     if inputs.shape[0] != targets.shape[0]:
         raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
+
+
+def check_step_inputs(model: nn.Module, inputs: torch.Tensor, loss_fn) -> None:
+    """One line, before a step reaches the ranks, for inputs the model's first layer cannot take (dtype, width,
+    ids against features: read from the kernel's copy of the model, meta or not, without running it) and a loss
+    function that cannot be called as loss_fn(output, target)."""
+    from nbdist.training.inputs import check_functions
+    from nbdist.training.ranks.inputs import sample_mismatch
+
+    check_functions(loss_fn=loss_fn)
+    if inputs.dim() and inputs.shape[0]:
+        problem = sample_mismatch(model, inputs[0], "the batch", autocast=False)
+        if problem:
+            raise DistUsageError(problem)
 
 
 def _meta_model(model) -> nn.Sequential:

@@ -31,6 +31,7 @@ from nbdist.sharding.ranks import timing
 from nbdist.sharding.shape import check_shape, micro_batch_size
 from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.training.inputs import check_functions
 from nbdist.wire import portable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
@@ -71,7 +72,9 @@ class Plan:
             raise DistUsageError(f"model_fn must be a function that builds the model, got {type(model_fn).__name__}")
         self.cluster, self.model_fn = cluster, model_fn
         self.layout = Layout(dp, pp, tp, zero, schedule, microbatches, chunks, balance)
-        self.optimizer_kind, self.hook, self.bucket_cap_mb = optimizer, hook, bucket_cap_mb
+        self.optimizer_kind, self.hook, self.bucket_cap_mb = _checked_ddp_choices(optimizer, hook, bucket_cap_mb)
+        if batch is not None:
+            whole_number(batch, "batch")
         if dp * pp * tp != cluster.world_size:
             gpus = " (one GPU each)" if all(d.startswith("cuda") for d in cluster.devices) else ""
             raise DistUsageError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp}, but the cluster has "
@@ -135,6 +138,7 @@ class Plan:
     def profile(self, repeats: int = 5) -> "Plan":
         """Time every layer's forward and backward on rank 0 (the engines' device and threads, not the kernel's),
         at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
+        whole_number(repeats, "repeats")
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
@@ -267,6 +271,8 @@ class Plan:
         """Build the plan on the cluster: a Sharded model (pp = 1) or a Pipeline (pp > 1), both with
         step(inputs, targets, loss_fn) -> loss, state_dict(), grads() and a measured timeline. A plan whose
         predicted memory exceeds what a rank's device has free is refused first (check_fits)."""
+        if optimizer_fn is not None:
+            check_functions(optimizer_fn=optimizer_fn)
         self.check_fits()
         if self.pp > 1:
             from nbdist.pipeline_parallel.api import pipeline
@@ -319,3 +325,19 @@ def _build(model_fn) -> nn.Sequential:
         raise DistUsageError(f"model_fn must return an nn.Sequential (e.g. nbdist.models.gpt() or an MLP), got "
                              f"{type(model).__name__}")
     return model
+
+
+def _checked_ddp_choices(optimizer: str, hook: str, bucket_cap_mb) -> tuple[str, str, float | None]:
+    """The optimizer the memory prediction assumes, DDP's communication hook and bucket size: known and
+    positive, or one line (the ranks would otherwise meet them mid-build, or never)."""
+    from nbdist.cost.memory import OPTIMIZER_STATES
+    from nbdist.data_parallel.ranks.hooks import HOOKS, RENAMED
+
+    one_of(optimizer, tuple(OPTIMIZER_STATES), "optimizer")
+    if hook not in RENAMED:  # an old name still works, with its own warning
+        one_of(hook, ("auto", *HOOKS), "hook")
+    if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                      or not 0 < bucket_cap_mb < float("inf")):
+        raise DistUsageError(f"bucket_cap_mb must be a positive number of MiB (or None for DDP's 25), got "
+                             f"{bucket_cap_mb!r}")
+    return optimizer, hook, bucket_cap_mb

@@ -14,7 +14,7 @@ import torch
 
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.pipeline_parallel.api import check_batch
+from nbdist.pipeline_parallel.api import check_batch, check_step_inputs
 from nbdist.schedules.simulate import Timeline
 from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.sharding.spec import ShardSpec
@@ -33,7 +33,9 @@ class Sharded(GatheredModel):
         spec = ShardSpec(self.id, self.mesh.name, plan.layout,
                          portable(plan.model_fn), portable(optimizer_fn),
                          tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
-        self.cluster.run(on_ranks.setup, spec)
+        problems = [line for line in self.cluster.run(on_ranks.setup, spec) if line]
+        if problems:
+            raise DistUsageError(problems[0])
         self.timeline: Timeline | None = None
         self.last_results: list[dict] = []
         self.memory_results: list[dict] = []  # the last step run with memory=True
@@ -45,6 +47,7 @@ class Sharded(GatheredModel):
         `memory=True` also measures the bytes each rank holds (see measured_memory)."""
         self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
         check_batch(inputs, targets, self.plan.dp, self.plan.microbatches)
+        check_step_inputs(self.plan.model, inputs, loss_fn)
         xs, ys = inputs.chunk(self.plan.dp), targets.chunk(self.plan.dp)
         loss_fn = portable(loss_fn)
         args = {}

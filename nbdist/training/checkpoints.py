@@ -32,6 +32,8 @@ def find(path: str | None) -> str:
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise DistUsageError(f"no checkpoint at {path}: the folder does not exist")
+    if not os.path.isdir(path):
+        raise DistUsageError(f"no checkpoint at {path}: a file, not a checkpoint folder")
     if not complete(path):
         if os.path.basename(path).startswith(PREFIX):
             raise DistUsageError(f"{path} is not a complete checkpoint (no .metadata or trainer.json: a save that "

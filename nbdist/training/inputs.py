@@ -146,3 +146,16 @@ def nonfinite_line(results: list[dict], policy: str) -> str | None:
         lag = max(s["lag"] for s in seen.values())
         stopped = f"the fit stopped after step {last} (the replicas learn each other's losses {lag} steps late)"
     return f"{head}; {stopped}: {weights} (on_nonfinite='warn' or 'ignore' trains on)"
+
+
+def nonfinite_eval_line(results: list[dict]) -> str | None:
+    """The first step of this fit whose eval loss was not finite (the training loss being finite, its data or what
+    the model makes of it is the likely cause); None when every eval loss was finite."""
+    evals = sorted((row["step"], row["eval_loss"]) for r in results for row in r.get("records", ())
+                   if isinstance(row.get("eval_loss"), float))
+    bad = [(step, value) for step, value in evals if not math.isfinite(value)]
+    if not bad:
+        return None
+    steps = sorted({step for step, _ in bad})
+    return (f"step {bad[0][0]}: the eval loss is {bad[0][1]} ({len(steps)} of this fit's {len({s for s, _ in evals})} "
+            f"evaluations not finite): eval_data_fn's data, or the model's output on it, is not finite")

@@ -239,6 +239,9 @@ class Trainer:
             raise NonFiniteLoss(said)
         if said:
             sys.stderr.write(f"warning: {said}\n")
+        said = inputs.nonfinite_eval_line(results) if policy != "ignore" else None
+        if said:  # the weights trained on finite losses: worth a line, not stopping the fit
+            sys.stderr.write(f"warning: {said}\n")
         if self.stopped and not background:
             print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
         return self.history.records
@@ -271,9 +274,13 @@ class Trainer:
         trainer's model and optimizer, on any engine count or plan; training goes on from its step."""
         path = checkpoints.find(path or self.checkpointing.dir)
         try:
-            step = self.cluster.run(on_ranks.load, self.id, path)[0]
+            steps = self.cluster.run(on_ranks.load, self.id, path)
         except Exception as e:
             raise DistUsageError(checkpoints.unreadable(path, e)) from None
+        problems = [f"rank {rank}: {said}" for rank, said in enumerate(steps) if isinstance(said, str)]
+        if problems:
+            raise DistUsageError(checkpoints.unreadable(path, "; ".join(problems)))
+        step = steps[0]
         self.history.truncate(step)
         return self
 

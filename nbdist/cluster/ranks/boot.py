@@ -37,52 +37,31 @@ class RankInfo:
 
 
 def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
-    """torch.distributed's key-value store for the rendezvous. It has no authentication (whoever reaches it may
-    read, set and delete its keys), so it is kept where only the cluster reaches it: with every rank on the
-    kernel's host, a FileStore in the cluster's own folder (no socket at all); with every rank on one other host, a
-    TCPStore on loopback; over several hosts, a TCPStore on rank 0's address toward the kernel, which every host
-    reaches (the kernel's own address would not do: the store runs where rank 0 runs). Rank 0 makes it and tells
-    everyone where over MPI."""
-    from torch.distributed import FileStore, TCPStore
+    """torch.distributed's key-value store for the rendezvous. torch's stores have no authentication (whoever
+    reaches one may read, set and delete its keys), so no socket is opened for it: with every rank on the kernel's
+    host, a FileStore in the cluster's own folder (0700); elsewhere (other hosts, several hosts) a store carried over
+    MPI's world, which only the cluster's ranks are part of (cluster/ranks/mpi_store.py). Rank 0 chooses and tells
+    everyone over MPI."""
+    from torch.distributed import FileStore
 
-    store, where = _serve_store(comm.size, single_host, timeout) if comm.rank == 0 else (None, None)
-    kind, place = comm.bcast(where, root=0)
-    if store is not None:
-        return store
-    return FileStore(place, comm.size) if kind == "file" else TCPStore(*place, comm.size, False, timeout)
+    from nbdist.cluster.ranks import mpi_store
 
-
-def _serve_store(size: int, single_host: bool, timeout: datetime.timedelta):
-    """Rank 0's store and where the others find it: ("file", path) or ("tcp", (address, port)). A TCPStore is
-    handed a socket bound here, to the one address (torch's own binds every interface, whatever address it is
-    given), on a port the OS picks while it binds (none chosen first and bound later, which another process may
-    take in between)."""
-    from torch.distributed import FileStore, TCPStore
-
-    from nbdist.cluster.ranks import addresses
-
-    folder = _private_folder() if single_host else None
-    if folder is not None:
-        handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=folder)  # readable and writable by this user alone
-        os.close(handle)
-        return FileStore(path, size), ("file", path)
-    address = addresses.LOOPBACK if single_host else addresses.resolve(_address_for_the_others())
-    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listening.bind((address, 0))
-    port = listening.getsockname()[1]
-    store = TCPStore(address, port, size, True, timeout, wait_for_workers=False, master_listen_fd=listening.detach())
-    return store, ("tcp", (address, port))
+    path = _file_store_path() if comm.rank == 0 and single_host else None
+    path = comm.bcast(path, root=0)
+    if path is not None:
+        return FileStore(path, comm.size)
+    return mpi_store.over_mpi(comm, timeout)
 
 
-def _address_for_the_others() -> str:
-    """Rank 0's address that ranks on other hosts reach it by: the named interface's, else its route toward the
-    kernel (whose address the kernel gives every engine), else its host name."""
-    from nbdist.cluster.ranks import addresses
-
-    if os.environ.get(addresses.IFACE_ENV):
-        return addresses.interface_address(os.environ[addresses.IFACE_ENV])
-    kernel = os.environ.get(addresses.KERNEL_ADDRESS_ENV)
-    return addresses.route_toward(kernel) if kernel and kernel != addresses.LOOPBACK else socket.getfqdn()
+def _file_store_path() -> str | None:
+    """A new file, readable and writable by this user alone, in the cluster's own folder; None where that folder
+    is not here."""
+    folder = _private_folder()
+    if folder is None:
+        return None
+    handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=folder)
+    os.close(handle)
+    return path
 
 
 def _private_folder() -> str | None:
@@ -114,6 +93,30 @@ def _keep_to_this_host(inherited: list[int]) -> None:
         os.environ.setdefault(variable, interface)
     for fd in inherited:
         addresses.only_from_this_host(fd)
+
+
+def _unlink_shared_memory_files() -> None:
+    """Remove MPICH's shared-memory file of this host's ranks from /dev/shm once all of them have mapped it.
+
+    MPICH removes it at MPI_Finalize, which engines, ended by a signal, never reach: each stopped cluster left its
+    1-2 MB file in /dev/shm (1.7 GB after a day of tests). The mappings stay valid after the name is gone, and
+    MPICH's own removal at finalize then finds nothing and says nothing (tried)."""
+    for path in mpich_shared_memory_files(os.getpid()):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def mpich_shared_memory_files(pid: int) -> set[str]:
+    """The files under /dev/shm that MPICH mapped into process `pid` and that still have a name."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    paths = {line.split(maxsplit=5)[-1] for line in lines if " /dev/shm/mpich_" in line}
+    return {path for path in paths if not path.endswith(" (deleted)")}
 
 
 def _visible_gpus(requested: str, cpu: bool) -> int:
@@ -182,7 +185,9 @@ def boot() -> RankInfo:
     node.Free()
     if single_host:
         _keep_to_this_host(inherited)
-    binding = _bind(comm, local_rank, ranks_on_host)
+    binding = _bind(comm, local_rank, ranks_on_host)  # a collective: every rank has mapped MPICH's segment
+    if local_rank == 0:
+        _unlink_shared_memory_files()
     timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
     store = _rendezvous_store(comm, single_host, timeout)
     backend = _init_process_group(binding, store, comm.rank, comm.size, timeout)

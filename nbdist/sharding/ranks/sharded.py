@@ -127,9 +127,16 @@ class ShardedModel:
         return f"dp={s.dp} tp={s.tp} zero={s.zero}; {self.me.describe()}"
 
 
-def setup(spec) -> str:
-    registry.put(KIND, spec.name, ShardedModel(spec))
-    return spec.name
+def setup(spec) -> str | None:
+    """Build this rank's part of the model; an optimizer_fn torch refuses (or that makes no optimizer) is
+    returned as one line instead, before any collective of the build."""
+    from nbdist.training.ranks.inputs import optimizer_problem
+
+    make = restore(spec.optimizer)
+    problem = None if make is None else optimizer_problem(make)
+    if problem is None:
+        registry.put(KIND, spec.name, ShardedModel(spec))
+    return problem
 
 
 def step(name: str, inputs, targets, loss_fn, memory: bool = False) -> dict:

@@ -429,10 +429,15 @@ def save(name: str, directory: str, asynchronous: bool = False) -> str:
     return path
 
 
-def load(name: str, path: str) -> int:
+def load(name: str, path: str) -> int | str:
+    """The checkpoint's step once loaded; what made it unreadable as text, for the kernel to say in one line (a
+    raised error would also be shown as each rank's failure)."""
     from nbdist.training.ranks import checkpoint
 
-    return checkpoint.load(registry.get(KIND, name), path)
+    try:
+        return checkpoint.load(registry.get(KIND, name), path)
+    except checkpoint.UnreadableCheckpoint as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def close(name: str) -> None:
