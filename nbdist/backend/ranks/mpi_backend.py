@@ -52,8 +52,9 @@ import weakref
 import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
+from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, reduction_code
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
-from nbdist.backend.ranks.waiting import abandoned
+from nbdist.backend.ranks.waiting import abandoned, test_all
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -150,11 +151,46 @@ class MpiProcessGroup(dist.ProcessGroup):
 
     # -- bookkeeping for works ----------------------------------------------------------------------------------
 
-    def _work(self, op: str, requests: list, outputs: list, finish=None, buffers: tuple = (), opts=None) -> MpiWork:
-        """The Work of an operation just posted; completed at once when `opts` says the caller waits anyway."""
-        if opts is not None and not opts.asyncOp:
-            return complete_now(self, op, requests, finish, buffers)
-        return MpiWork(self, op, requests, outputs, finish, buffers)
+    def _start(self, comm, plan: Planned, opts=None) -> MpiWork:
+        """Post the call's agreement (mpi_agree.py) and, right behind it, its data; whoever waits looks at the
+        agreement first. Posted together, the two cost one round trip, not two (a 1 KiB all-reduce: ~9 us against
+        ~23 us when the data waited for the agreement); MPI never writes past a buffer's count, so a disagreement
+        costs no memory, only the data's result, which is then refused. A caller that waits anyway (`opts.asyncOp`
+        false: torch's dist.* without async_op) gets it done before returning."""
+        seconds = self.seconds(opts)
+        agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count, plan.outputs)
+        requests = plan.post()
+        if opts is not None and not opts.asyncOp:  # the common case, kept short
+            buffers = plan.buffers + agreement.buffers()
+            complete_now(self, plan.call, [agreement.request], None, buffers, seconds, also=requests)
+            self.refuse_disagreement(agreement, plan, requests)
+            return complete_now(self, plan.call, requests, plan.finish, plan.buffers, seconds)
+        return MpiWork(self, plan.call, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
+                       agreement=(agreement, plan))
+
+    def refuse_disagreement(self, agreement: Agreement, plan: Planned, requests: list) -> None:
+        """Raise the one line every rank raises when the ranks brought different calls, counts or dtypes, or (where
+        each rank brings its own share) shares that do not fit the outputs every rank expects. The data's
+        requests, posted behind the agreement, are given up unless they completed (then the group is still in
+        step): MPI may never complete a collective its ranks disagree on."""
+        said = agreement.disagreement(self.global_ranks)
+        if said:
+            said = f"the ranks of the group {self.global_ranks} disagree on a collective: {said}"
+        elif plan.expected is not None and agreement.counts() != plan.expected:
+            said = (f"{plan.call} on the group of ranks {self.global_ranks}: the ranks bring {agreement.counts()} "
+                    f"elements but the outputs hold {plan.expected}")
+        if said is None:
+            return
+        if not test_all(requests):
+            self.abandon(plan.call, requests, plan.buffers)
+        raise DistUsageError(f"{NAME}: {said}; its result was dropped")
+
+    def seconds(self, opts=None) -> float:
+        """How long an operation may wait: its own timeout where the call gave one (torch leaves it unset, -1 ms,
+        otherwise), else the group's."""
+        given = getattr(opts, "timeout", None)
+        seconds = given.total_seconds() if given is not None else 0.0
+        return seconds if seconds > 0 else self.timeout_seconds
 
     def _usable(self, op: str, *tensors):
         """The communicator, unless an abandoned operation left this group's ranks out of step or a tensor of the
@@ -175,11 +211,12 @@ class MpiProcessGroup(dist.ProcessGroup):
                         f"(interrupted or timed out), so its ranks are out of step; run "
                         f"nbdist.backend.ranks.mpi_backend.renew() on every rank, or restart the engines")
 
-    def timeout_error(self, op: str) -> Exception:
+    def timeout_error(self, op: str, seconds: float | None = None) -> Exception:
         error = getattr(dist, "DistBackendError", RuntimeError)
-        return error(f"{NAME} {op} on the group of ranks {self.global_ranks} timed out after "
-                     f"{self.timeout_seconds:g} s on rank {self._global_rank()}: a rank of the group did not take "
-                     f"part (the group's timeout sets how long to wait)")
+        seconds = self.timeout_seconds if seconds is None else seconds
+        return error(f"{NAME} {op} on the group of ranks {self.global_ranks} timed out after {seconds:g} s on rank "
+                     f"{self._global_rank()}: a rank of the group did not take part (the call's timeout, or the "
+                     f"group's, sets how long to wait)")
 
     def _global_rank(self) -> int:
         return self.global_ranks[self._comm.rank]
@@ -191,30 +228,36 @@ class MpiProcessGroup(dist.ProcessGroup):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         (tensor,) = data.single(tensors, "all_reduce")
         if op == dist.ReduceOp.SUM and data.direct(tensor):  # the common case, kept short
-            return self._work("all_reduce", [comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)],
-                              tensors, opts=opts)
+            post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)]  # noqa: E731
+            return self._start(comm, Planned("all_reduce", tensor.numel(), tensor.dtype, reduction_code(op), post,
+                                             tensors), opts)
         stage = data.Reduction(tensor, op, self._n, "all_reduce", copy_in=True)
-        request = comm.Iallreduce(data.IN_PLACE, data.typed(stage.work), stage.mpi_op)
-        return self._work("all_reduce", [request], tensors, stage.finish, (stage.work,), opts=opts)
+        post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(stage.work), stage.mpi_op)]  # noqa: E731
+        return self._start(comm, Planned("all_reduce", tensor.numel(), tensor.dtype, reduction_code(op), post,
+                                         tensors, stage.finish, (stage.work,)), opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> MpiWork:
         comm = self._usable("all_reduce_coalesced", tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         stages = [data.Reduction(t, op, self._n, "all_reduce_coalesced", copy_in=True) for t in tensors]
-        requests = [comm.Iallreduce(data.IN_PLACE, data.typed(s.work), s.mpi_op) for s in stages]
-        return self._work("all_reduce_coalesced", requests, tensors, data.all_of(s.finish for s in stages),
-                          tuple(s.work for s in stages), opts=opts)
+        post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(s.work), s.mpi_op) for s in stages]  # noqa: E731
+        return self._start(comm, Planned("all_reduce_coalesced", sum(t.numel() for t in tensors), one_dtype(tensors),
+                                         reduction_code(op), post, tensors, data.all_of(s.finish for s in stages),
+                                         tuple(s.work for s in stages)), opts)
 
     def reduce(self, tensors, opts=None) -> MpiWork:
         comm = self._usable("reduce", tensors)
         (tensor,) = data.single(tensors, "reduce")
         root, me = opts.rootRank, comm.rank
         stage = data.Reduction(tensor, opts.reduceOp, self._n, "reduce", copy_in=True)
-        if me == root:
-            request = comm.Ireduce(data.IN_PLACE, data.typed(stage.work), stage.mpi_op, root)
-        else:
-            request = comm.Ireduce(data.typed(stage.work), None, stage.mpi_op, root)
-        return self._work("reduce", [request], tensors, stage.finish if me == root else None, (stage.work,), opts=opts)
+
+        def post() -> list:
+            if me == root:
+                return [comm.Ireduce(data.IN_PLACE, data.typed(stage.work), stage.mpi_op, root)]
+            return [comm.Ireduce(data.typed(stage.work), None, stage.mpi_op, root)]
+        return self._start(comm, Planned("reduce", tensor.numel(), tensor.dtype,
+                                         reduction_code(opts.reduceOp) + 64 * root, post, tensors,
+                                         stage.finish if me == root else None, (stage.work,)), opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> MpiWork:
         comm = self._usable("reduce_scatter", output_tensors, input_tensors)
@@ -224,24 +267,30 @@ class MpiProcessGroup(dist.ProcessGroup):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         stage = data.Reduction(output, op, self._n, "reduce_scatter", copy_in=False)
         send = data.flat_for_reduction(inputs, stage.work.dtype)
-        request = comm.Ireduce_scatter(data.typed(send), data.typed(stage.work), [t.numel() for t in inputs],
-                                       stage.mpi_op)
-        return self._work("reduce_scatter", [request], output_tensors, stage.finish, (send, stage.work), opts=opts)
+        post = lambda: [comm.Ireduce_scatter(data.typed(send), data.typed(stage.work),  # noqa: E731
+                                             [t.numel() for t in inputs], stage.mpi_op)]
+        return self._start(comm, Planned("reduce_scatter", send.numel(), output.dtype, reduction_code(op), post,
+                                         output_tensors, stage.finish, (send, stage.work)), opts)
 
-    def _reduce_scatter_base(self, output, input, opts=None) -> MpiWork:
+    def _reduce_scatter_parts(self, output, input, opts) -> Planned:
         comm = self._usable("reduce_scatter_tensor", output, input)
         data.sizes_match(input.numel(), output.numel() * self._n, "reduce_scatter_tensor")
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         stage = data.Reduction(output, op, self._n, "reduce_scatter_tensor", copy_in=False)
         send = data.flat_for_reduction([input], stage.work.dtype)
-        request = comm.Ireduce_scatter_block(data.typed(send, output.numel()), data.typed(stage.work), stage.mpi_op)
-        return self._work("reduce_scatter_tensor", [request], [output], stage.finish, (send, stage.work), opts=opts)
+        post = lambda: [comm.Ireduce_scatter_block(data.typed(send, output.numel()),  # noqa: E731
+                                                   data.typed(stage.work), stage.mpi_op)]
+        return Planned("reduce_scatter_tensor", input.numel(), input.dtype, reduction_code(op), post, [output],
+                       stage.finish, (send, stage.work))
+
+    def _reduce_scatter_base(self, output, input, opts=None) -> MpiWork:
+        return self._start(self._comm, self._reduce_scatter_parts(output, input, opts), opts)
 
     reduce_scatter_single = _reduce_scatter_base  # torch 2.13's names for the same calls
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> MpiWork:
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return data.joined(self, "reduce_scatter_tensor_coalesced", works, outputs)
+        parts = [self._reduce_scatter_parts(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._start(self._comm, Planned.joined(parts, call="reduce_scatter_tensor"), opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -251,45 +300,68 @@ class MpiProcessGroup(dist.ProcessGroup):
         comm = self._usable("broadcast", tensors)
         (tensor,) = data.single(tensors, "broadcast")
         out = data.Output(tensor, copy_in=comm.rank == opts.rootRank)
-        request = comm.Ibcast(data.raw(out.work), opts.rootRank)
-        return self._work("broadcast", [request], tensors, out.finish, (out.work,), opts=opts)
+        post = lambda: [comm.Ibcast(data.raw(out.work), opts.rootRank)]  # noqa: E731
+        return self._start(comm, Planned("broadcast", tensor.numel(), tensor.dtype, opts.rootRank, post, tensors,
+                                         out.finish, (out.work,)), opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
         comm = self._usable("all_gather", output_tensors, input_tensors)
         (outputs,), (tensor,) = data.single(output_tensors, "all_gather"), data.single(input_tensors, "all_gather")
         data.same_count(outputs, self._n, "all_gather")
+        return self._start(comm, self._allgather_parts(comm, outputs, tensor, output_tensors), opts)
+
+    def _allgather_parts(self, comm, outputs, tensor, output_tensors, call: str = "all_gather") -> Planned:
         send = data.contiguous(tensor)
         gathered = data.Pieces(outputs)
-        request = comm.Iallgatherv(data.raw(send), gathered.spec())
-        return self._work("all_gather", [request], output_tensors, gathered.finish, (send, gathered.flat), opts=opts)
+        post = lambda: [comm.Iallgatherv(data.raw(send), gathered.spec())]  # noqa: E731
+        return Planned(call, tensor.numel(), tensor.dtype, ANY, post, output_tensors, gathered.finish,
+                       (send, gathered.flat), expected=[o.numel() for o in outputs])
 
-    def _allgather_base(self, output, input, opts=None) -> MpiWork:
+    def _allgather_parts_into_tensor(self, output, input) -> Planned:
         comm = self._usable("all_gather_into_tensor", output, input)
         data.sizes_match(output.numel(), input.numel() * self._n, "all_gather_into_tensor")
         out = data.Output(output, copy_in=True)
         send = data.gather_source(data.contiguous(input), out.work, comm.rank)  # FSDP2 gathers in place
-        request = comm.Iallgather(data.IN_PLACE if send is None else data.raw(send), data.raw(out.work))
-        return self._work("all_gather_into_tensor", [request], [output], out.finish, (send, out.work), opts=opts)
+        post = lambda: [comm.Iallgather(data.IN_PLACE if send is None else data.raw(send),  # noqa: E731
+                                        data.raw(out.work))]
+        return Planned("all_gather_into_tensor", input.numel(), input.dtype, ANY, post, [output], out.finish,
+                       (send, out.work))
+
+    def _allgather_base(self, output, input, opts=None) -> MpiWork:
+        return self._start(self._comm, self._allgather_parts_into_tensor(output, input), opts)
 
     all_gather_single = _allgather_base  # torch 2.13's name for the same call
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> MpiWork:
-        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return data.joined(self, "all_gather_into_tensor_coalesced", works, outputs)
+        parts = [self._allgather_parts_into_tensor(o, i) for o, i in zip(outputs, inputs)]
+        return self._start(self._comm, Planned.joined(parts, call="all_gather_into_tensor"), opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> MpiWork:
+        """all_gather of several tensors at once (torch's list form): one all_gather per input tensor, agreed on
+        as one call."""
+        comm = self._usable("all_gather_coalesced", output_lists, input_list)
+        data.same_count(output_lists, self._n, "all_gather_coalesced")
+        parts = [self._allgather_parts(comm, [outputs[i] for outputs in output_lists], tensor, [],
+                                       "all_gather_coalesced") for i, tensor in enumerate(input_list)]
+        return self._start(comm, Planned.joined(parts, [t for outputs in output_lists for t in outputs],
+                                                "all_gather_coalesced"), opts)
 
     def gather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
         comm = self._usable("gather", output_tensors, input_tensors)
         (tensor,) = data.single(input_tensors, "gather")
         send, root = data.contiguous(tensor), opts.rootRank
         if comm.rank != root:
-            return self._work("gather", [comm.Igatherv(data.raw(send), None, root)], [], None, (send,), opts=opts)
+            post = lambda: [comm.Igatherv(data.raw(send), None, root)]  # noqa: E731
+            return self._start(comm, Planned("gather", tensor.numel(), tensor.dtype, root, post, [], None, (send,),
+                                             same_count=False), opts)
         (outputs,) = data.single(output_tensors, "gather")
         data.same_count(outputs, self._n, "gather")
         gathered = data.Pieces(outputs)
-        request = comm.Igatherv(data.raw(send), gathered.spec(), root)
-        return self._work("gather", [request], output_tensors, gathered.finish, (send, gathered.flat), opts=opts)
+        post = lambda: [comm.Igatherv(data.raw(send), gathered.spec(), root)]  # noqa: E731
+        return self._start(comm, Planned("gather", tensor.numel(), tensor.dtype, root, post, output_tensors,
+                                         gathered.finish, (send, gathered.flat), same_count=False), opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None) -> MpiWork:
         comm = self._usable("scatter", output_tensors, input_tensors)
@@ -301,36 +373,53 @@ class MpiProcessGroup(dist.ProcessGroup):
             data.same_count(inputs, self._n, "scatter")
             flat = data.concatenated(inputs)
             spec = data.pieces_spec(flat, inputs)
-        request = comm.Iscatterv(spec, data.raw(out.work), root)
-        return self._work("scatter", [request], output_tensors, out.finish, (out.work, flat), opts=opts)
+        post = lambda: [comm.Iscatterv(spec, data.raw(out.work), root)]  # noqa: E731
+        return self._start(comm, Planned("scatter", tensor.numel(), tensor.dtype, root, post, output_tensors,
+                                         out.finish, (out.work, flat), same_count=False), opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> MpiWork:
         comm = self._usable("all_to_all_single", output, input)
         send, out = data.contiguous(input), data.Output(output, copy_in=False)
         send_spec = data.split_spec(send, input_split_sizes, self._n, "all_to_all_single")
         recv_spec = data.split_spec(out.work, output_split_sizes, self._n, "all_to_all_single")
-        request = comm.Ialltoallv(send_spec, recv_spec)
-        return self._work("all_to_all_single", [request], [output], out.finish, (send, out.work), opts=opts)
+        post = lambda: [comm.Ialltoallv(send_spec, recv_spec)]  # noqa: E731
+        return self._start(comm, Planned("all_to_all_single", input.numel(), input.dtype, ANY, post, [output],
+                                         out.finish, (send, out.work), same_count=False), opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> MpiWork:
         comm = self._usable("all_to_all", output_tensors, input_tensors)
         data.same_count(input_tensors, self._n, "all_to_all")
         data.same_count(output_tensors, self._n, "all_to_all")
         flat, gathered = data.concatenated(input_tensors), data.Pieces(output_tensors)
-        request = comm.Ialltoallv(data.pieces_spec(flat, input_tensors), gathered.spec())
-        return self._work("all_to_all", [request], output_tensors, gathered.finish, (flat, gathered.flat), opts=opts)
+        post = lambda: [comm.Ialltoallv(data.pieces_spec(flat, input_tensors), gathered.spec())]  # noqa: E731
+        return self._start(comm, Planned("all_to_all", flat.numel(), one_dtype(input_tensors), ANY, post,
+                                         output_tensors, gathered.finish, (flat, gathered.flat), same_count=False),
+                           opts)
 
     def send(self, tensors, dst: int, tag: int) -> MpiWork:
         comm = self._usable("send", tensors)
         (tensor,) = data.single(tensors, "send")
         send = data.contiguous(tensor)
-        return self._work("send", [comm.Isend(data.raw(send), dst, tag)], tensors, None, (send,))
+        return MpiWork(self, "send", [comm.Isend(data.raw(send), dst, tag)], tensors, None, (send,))
 
     def recv(self, tensors, src: int, tag: int) -> MpiWork:
+        return self._receive(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int) -> MpiWork:
+        """A receive from whichever rank sends first; the work's `_source_rank()` says which (a group rank, as
+        torch's `dist.recv(t)` without `src` expects)."""
+        from mpi4py import MPI
+
+        return self._receive(tensors, MPI.ANY_SOURCE, tag)
+
+    def _receive(self, tensors, src: int, tag: int) -> MpiWork:
         comm = self._usable("recv", tensors)
         (tensor,) = data.single(tensors, "recv")
         out = data.Output(tensor, copy_in=False)
-        return self._work("recv", [comm.Irecv(data.raw(out.work), src, tag)], tensors, out.finish, (out.work,))
+        request = data.SourcedRequest(comm.Irecv(data.raw(out.work), src, tag))
+        return MpiWork(self, "recv", [request], tensors, out.finish, (out.work,))
 
     def barrier(self, opts=None) -> MpiWork:
-        return self._work("barrier", [self._usable("barrier").Ibarrier()], [], opts=opts)
+        comm = self._usable("barrier")
+        post = lambda: [comm.Ibarrier()]  # noqa: E731
+        return self._start(comm, Planned("barrier", 0, None, ANY, post, []), opts)

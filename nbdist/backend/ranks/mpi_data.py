@@ -191,6 +191,10 @@ def on_cpu(op: str, arguments: tuple) -> None:
     for argument in arguments:
         for item in argument if isinstance(argument, (list, tuple)) else (argument,):
             for tensor in item if isinstance(item, (list, tuple)) else (item,):
+                if tensor.layout != torch.strided:
+                    raise DistUsageError(
+                        f"mpi4py {op}: a {str(tensor.layout).removeprefix('torch.')} tensor, but the mpi4py backend "
+                        f"moves dense tensors only; make it dense first (.to_dense())")
                 if not tensor.is_cpu:
                     raise DistUsageError(
                         f"mpi4py {op}: a tensor on {tensor.device}, but the mpi4py backend moves CPU tensors only "
@@ -234,3 +238,17 @@ def joined(group, op: str, works: list, outputs: list):
 
     return MpiWork(group, op, [r for w in works for r in w._requests], outputs,
                    all_of(w._finish for w in works), tuple(b for w in works for b in w._buffers))
+
+
+class SourcedRequest:
+    """A receive's request that keeps the status MPI fills when it completes: which rank sent (for a receive from
+    any source) and how much arrived."""
+
+    def __init__(self, request):
+        self._request, self._status = request, MPI.Status()
+
+    def Test(self) -> bool:  # noqa: N802 - MPI's name, called where a plain request's Test is
+        return self._request.Test(self._status)
+
+    def source(self) -> int:
+        return self._status.Get_source()

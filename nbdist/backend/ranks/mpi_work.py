@@ -20,22 +20,25 @@ import torch
 import torch.distributed as dist
 
 from nbdist.backend.ranks.waiting import NAP_SECONDS, poll, test_all
+from nbdist.errors import DistUsageError
 
 CALLBACK_THREADS = 32  # futures' callbacks run on up to this many threads: a callback may wait on another future
 
 
-def complete_now(group, op: str, requests: list, finish: Callable | None, buffers: tuple) -> MpiWork:
+def complete_now(group, op: str, requests: list, finish: Callable | None, buffers: tuple,
+                 seconds: float | None = None, also: list = ()) -> MpiWork:
     """Complete an operation before returning, for callers that only wait on the Work they get back (torch's
     `dist.*` functions without `async_op`, which say so in `opts.asyncOp`): no Work is made for it, which saves a
     third of the backend's own time per small call. Returns one shared, completed Work."""
+    seconds = group.timeout_seconds if seconds is None else seconds
     try:
-        ok = poll(requests, group.timeout_seconds)
-    except BaseException:  # interrupted: the operation is given up, the group is out of step
-        group.abandon(op, requests, buffers)
+        ok = poll(requests, seconds)
+    except BaseException:  # interrupted: the operation is given up (with `also`, posted beside it), out of step
+        group.abandon(op, requests + list(also), buffers)
         raise
     if not ok:
-        group.abandon(op, requests, buffers)
-        raise group.timeout_error(op)
+        group.abandon(op, requests + list(also), buffers)
+        raise group.timeout_error(op, seconds)
     if finish is not None:
         finish()
     return _done()
@@ -49,8 +52,12 @@ class MpiWork(dist.Work):
     the operation), `get_future().value()` is the list of output tensors."""
 
     def __init__(self, group, op: str, requests: list, outputs: list[torch.Tensor], finish: Callable | None,
-                 buffers: tuple):
+                 buffers: tuple, seconds: float | None = None, agreement: tuple | None = None):
+        """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first."""
         super().__init__()
+        self._agreement = agreement
+        self._seconds = seconds if seconds is not None else (group.timeout_seconds if group is not None else 0.0)
+        self._source = requests[0] if len(requests) == 1 and hasattr(requests[0], "source") else None
         self._group, self._op, self._requests, self._outputs = group, op, requests, outputs
         self._finish, self._buffers = finish, buffers
         self._generation = group.generation if group is not None else 0
@@ -60,25 +67,38 @@ class MpiWork(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """True once complete; raises if it failed, was interrupted, or outlasted `timeout` (default, or zero as
-        C++ callers pass it: the group's timeout)."""
+        C++ callers pass it: the call's timeout, else the group's)."""
         if self._done:
             return self._raise_if_failed()
+        seconds = timeout.total_seconds() if timeout else 0.0
+        seconds = seconds if seconds > 0 else self._seconds
+        if self._agreement is not None and self._future is None:
+            started = time.monotonic()
+            self._wait_for_agreement(seconds)
+            seconds = max(seconds - (time.monotonic() - started), 1e-3)
         if self._future is not None:  # the progress thread owns the requests now
-            _wait_interruptibly(self._future)
+            if not _wait_interruptibly(self._future, seconds):
+                raise self._group.timeout_error(self._op, seconds)
             return self._raise_if_failed()
         try:
-            seconds = timeout.total_seconds() if timeout else 0.0
-            ok = poll(self._requests, seconds if seconds > 0 else self._group.timeout_seconds)
+            ok = poll(self._requests, seconds)
         except BaseException:  # an interrupt (or any error) between tests: this operation is given up
             self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
             raise
         if not ok:
-            self._fail(self._group.timeout_error(self._op))
+            self._fail(self._group.timeout_error(self._op, seconds))
             raise self._error
         self._complete(True)
         return True
 
     def is_completed(self) -> bool:
+        if self._agreement is not None and self._future is None:
+            if not self._agreement[0].request.Test():
+                return False
+            try:
+                self._check_agreement()
+            except DistUsageError:
+                return True
         if not self._done and self._future is None and test_all(self._requests):
             self._complete(True)
         return self._done
@@ -92,6 +112,13 @@ class MpiWork(dist.Work):
     def result(self) -> list[torch.Tensor]:
         return self._outputs
 
+    def _source_rank(self) -> int:
+        """The group rank a completed receive came from (torch's `dist.recv` without `src` asks for it)."""
+        if self._source is None:
+            raise ValueError(f"mpi4py {self._op}: only a receive knows its source rank")
+        self.wait()
+        return self._source.source()
+
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
             self._future = torch.futures.Future()
@@ -100,6 +127,41 @@ class MpiWork(dist.Work):
             else:
                 _progress().add(self)
         return self._future
+
+    # -- agreement first (collectives) --------------------------------------------------------------------------
+
+    def _wait_for_agreement(self, seconds: float) -> None:
+        """Wait (interruptibly) for the agreement posted before this work's data, and look at it."""
+        agreement = self._agreement[0]
+        try:
+            ok = poll([agreement.request], seconds)
+        except BaseException:
+            self._with_agreement_given_up()
+            self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
+            raise
+        if not ok:
+            self._with_agreement_given_up()
+            self._fail(self._group.timeout_error(self._op, seconds))
+            raise self._error
+        self._check_agreement()
+
+    def _with_agreement_given_up(self) -> None:
+        """The agreement's request and buffers go with the data's when the work is given up."""
+        agreement = self._agreement[0]
+        self._requests = self._requests + [agreement.request]
+        self._buffers = self._buffers + agreement.buffers()
+        self._agreement = None
+
+    def _check_agreement(self, settle: Callable[[Callable], None] | None = None) -> None:
+        """The agreement is in: a disagreement fails the work (every rank raises the same line)."""
+        agreement, plan = self._agreement
+        self._agreement = None
+        try:
+            self._group.refuse_disagreement(agreement, plan, self._requests)
+        except DistUsageError as error:
+            self._error = error
+            self._complete(False, settle)
+            raise
 
     # -- completion ---------------------------------------------------------------------------------------------
 
@@ -131,10 +193,15 @@ class MpiWork(dist.Work):
         return True
 
 
-def _wait_interruptibly(future: torch.futures.Future) -> None:
-    """Wait for a future the progress thread settles, in short sleeps, so that SIGINT still frees this rank."""
+def _wait_interruptibly(future: torch.futures.Future, seconds: float) -> bool:
+    """Wait for a future the progress thread settles, in short sleeps, so that SIGINT still frees this rank;
+    False if it is not settled within `seconds` (the progress thread still owns it, and times it out itself)."""
+    deadline = time.monotonic() + seconds
     while not future.done():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(NAP_SECONDS)
+    return True
 
 
 def _call(fn: Callable) -> None:
@@ -163,7 +230,7 @@ class _Progress:
 
     def add(self, work: MpiWork) -> None:
         with self._lock:
-            self._pending.append((work, time.monotonic() + work._group.timeout_seconds))
+            self._pending.append((work, time.monotonic() + work._seconds))
             self._lock.notify()
 
     def _run(self) -> None:
@@ -180,15 +247,30 @@ class _Progress:
 
     def _settle(self, work: MpiWork, deadline: float) -> bool:
         try:
+            if work._agreement is not None:  # looked at first
+                if not work._agreement[0].request.Test():
+                    return self._late(work, deadline)
+                try:
+                    work._check_agreement(self._settle_elsewhere)
+                except DistUsageError:
+                    return True
             if test_all(work._requests):
                 work._complete(True, self._settle_elsewhere)
-            elif time.monotonic() > deadline:
-                work._fail(work._group.timeout_error(work._op), self._settle_elsewhere)
             else:
-                return False
+                return self._late(work, deadline)
         except Exception as error:  # noqa: BLE001 - a finish step that failed: the waiter gets it, the thread lives
             work._error = error
             work._complete(False, self._settle_elsewhere)
+        return True
+
+
+    def _late(self, work: MpiWork, deadline: float) -> bool:
+        """False while the work may still complete; past its deadline it fails (True: settled)."""
+        if time.monotonic() <= deadline:
+            return False
+        if work._agreement is not None:
+            work._with_agreement_given_up()
+        work._fail(work._group.timeout_error(work._op, work._seconds), self._settle_elsewhere)
         return True
 
 

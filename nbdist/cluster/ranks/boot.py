@@ -49,7 +49,7 @@ def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
     path = _file_store_path() if comm.rank == 0 and single_host else None
     path = comm.bcast(path, root=0)
     if path is not None:
-        return FileStore(path, comm.size)
+        return FileStore(path, -1)  # -1: torch never removes the file itself; the cluster's stop does
     return mpi_store.over_mpi(comm, timeout)
 
 
