@@ -183,12 +183,17 @@ def two_hosts():
     made.close()
 
 
-def _default_store() -> str:
-    """On a rank: the kind of store its default process group was formed through."""
+def _default_store() -> tuple[str, bool]:
+    """On a rank: the kind of store its default process group was formed through (a store written in Python, as
+    nbdist's over MPI, shows as torch's base class 'Store'), and whether this rank serves the keys (rank 0's
+    thread of cluster/ranks/mpi_store.py)."""
+    import threading
+
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    return type(getattr(store, "underlying_store", store)).__name__
+    kind = type(getattr(store, "underlying_store", store)).__name__
+    return kind, any(t.name == "nbdist-store" for t in threading.enumerate())
 
 
 def _sum_of_ranks() -> float:
@@ -205,5 +210,5 @@ def test_over_two_hosts_the_rendezvous_is_carried_over_mpi_and_opens_no_socket(t
     """torch's TCPStore would answer whoever reaches its port; across hosts the rendezvous rides on MPI's world."""
     options = ClusterOptions(n=2, hosts=two_hosts.names(1), mpi_args=two_hosts.mpi_args, cpu=True, timeout=120.0)
     with nbdist.Cluster(options).start() as cluster:
-        assert cluster.run(_default_store) == ["MPIStore", "MPIStore"]
+        assert cluster.run(_default_store) == [("Store", True), ("Store", False)]
         assert cluster.run(_sum_of_ranks) == [1.0, 1.0]
