@@ -132,8 +132,9 @@ def _short_wait() -> str:
 def test_a_works_own_timeout_is_the_one_applied(cluster):
     rank0, rank1 = cluster.run(_short_wait, timeout=60)
     assert rank1 == "rank 1 did not join"
-    assert re.match(r"0\.[3-5] s: mpi4py all_reduce on the group of ranks \[0, 1\] timed out after 0\.3 s on rank 0",
-                    rank0), rank0
+    assert re.match(r"1\.[3-6] s: mpi4py all_reduce #\d+ on the group of ranks \[0, 1\] timed out after 0\.3 s on "
+                    r"rank 0: rank 1 did not answer \(computing, stuck outside MPI, or gone\)", rank0), rank0
+    # 0.3 s, then a second listening to the roll call: rank 1 was already in renew(), no wait of the backend's
 
 
 def _refused(case: str) -> str:
@@ -141,8 +142,8 @@ def _refused(case: str) -> str:
     import torch.distributed as dist
 
     try:
-        if case == "sparse":
-            dist.all_reduce(torch.eye(2).to_sparse())
+        if case == "sparse max":
+            dist.all_reduce(torch.eye(2).to_sparse(), op=dist.ReduceOp.MAX)
         elif case == "premul_sum":
             dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
         return "accepted"
@@ -151,8 +152,7 @@ def _refused(case: str) -> str:
 
 
 @pytest.mark.parametrize("case, says", [
-    ("sparse", r"DistUsageError: mpi4py all_reduce: a sparse_coo tensor, but the mpi4py backend moves dense tensors "
-               r"only; make it dense first \(\.to_dense\(\)\)$"),
+    ("sparse max", r"DistUsageError: mpi4py all_reduce of a sparse tensor: only SUM \(as gloo\), got MAX$"),
     ("premul_sum", r"DistUsageError: all_reduce: the mpi4py backend does not support PREMUL_SUM on torch\.float32$"),
 ])
 def test_what_the_backend_does_not_take_is_one_line_on_every_rank(cluster, case, says):
@@ -174,3 +174,55 @@ def _gather_coalesced() -> list:
 def test_all_gather_coalesced_gathers_every_tensor_of_every_rank(cluster):
     expected = [[[float(r)] * 2, [10.0 + r] * 3] for r in range(2)]
     assert cluster.run(_gather_coalesced) == [expected, expected]
+
+
+def _one_rank_elsewhere() -> str:
+    """Ranks 0, 1, 3 all-reduce on a group of all four whose timeout is 2 s; rank 2 waits instead in a receive from
+    rank 1 (which rank 1 sends once its all-reduce has timed out). What rank 0's timeout says."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from nbdist.backend.ranks import mpi_backend
+    from nbdist.cluster.ranks import groups, registry
+
+    short = registry.get_or_make("group", "test-roll-call", lambda: groups.Held(
+        "test roll call", (0, 1, 2, 3), dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=2)))).handle
+    said = ""
+    if dist.get_rank() == 2:
+        dist.recv(torch.zeros(1), src=1)
+    else:
+        try:
+            dist.all_reduce(torch.ones(1), group=short)
+        except Exception as error:  # noqa: BLE001 - what the rank was told
+            said = str(error)
+        if dist.get_rank() == 1:
+            dist.send(torch.ones(1), dst=2)
+    mpi_backend.renew()
+    return said
+
+
+def test_a_timed_out_collective_names_who_waits_in_it_and_where_the_missing_rank_is(cluster4):
+    said = cluster4.run(_one_rank_elsewhere, timeout=60)
+    assert said[2] == ""
+    assert re.match(r"mpi4py all_reduce #1 on the group of ranks \[0, 1, 2, 3\] timed out after 2 s on rank 0: ranks "
+                    r"1, 3 wait in it too; rank 2 waits in recv from rank 1 on the group of ranks \[0, 1, 2, 3\] "
+                    r"\(made \d+ calls? on this group\)", said[0]), said[0]
+    assert "\n" not in said[0]
+
+
+def _sparse_sum() -> list:
+    """Each rank a sparse tensor with its own non-zeros (and one shared index): the sum, dense, and its nnz."""
+    import torch
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    t = torch.sparse_coo_tensor([[r, 3], [0, 1]], [float(r + 1), 10.0], (4, 2))
+    dist.all_reduce(t)
+    return [t.to_dense().tolist(), t.coalesce().values().numel()]
+
+
+def test_a_sparse_all_reduce_sums_as_gloo_does(cluster):
+    dense = [[1.0, 0.0], [2.0, 0.0], [0.0, 0.0], [0.0, 20.0]]
+    assert cluster.run(_sparse_sum) == [[dense, 3], [dense, 3]]

@@ -117,7 +117,7 @@ def sizes_code(sizes: list[int]) -> int:
 
 def reduction_code(op) -> int:
     """A reduction as a number both sides compare (ReduceOp or its type)."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = op if isinstance(op, dist.ReduceOp.RedOpType) else op.op  # a RedOpType passes isinstance(ReduceOp) too
     return int(kind.value)
 
 

@@ -49,9 +49,11 @@ from __future__ import annotations
 import datetime
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
+from nbdist.backend.ranks import roll_call
 from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, reduction_code
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
 from nbdist.backend.ranks.waiting import abandoned, test_all
@@ -132,6 +134,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         self._broken: str | None = None  # why its ranks are out of step, once an operation was abandoned
         self.generation = 0  # how many times renew() replaced its communicator
         self._n = comm.size
+        self.calls = 0  # collectives started on this group: the roll call's sequence numbers
+        roll_call.known(self)
 
     # -- what torch asks of a process group ------------------------------------------------------------------
 
@@ -158,15 +162,21 @@ class MpiProcessGroup(dist.ProcessGroup):
         costs no memory, only the data's result, which is then refused. A caller that waits anyway (`opts.asyncOp`
         false: torch's dist.* without async_op) gets it done before returning."""
         seconds = self.seconds(opts)
+        self.calls += 1
+        op = f"{plan.call} #{self.calls}"  # named so in errors and in the roll call: "all_reduce #12"
         agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count, plan.outputs)
         requests = plan.post()
         if opts is not None and not opts.asyncOp:  # the common case, kept short
             buffers = plan.buffers + agreement.buffers()
-            complete_now(self, plan.call, [agreement.request], None, buffers, seconds, also=requests)
+            complete_now(self, op, [agreement.request], None, buffers, seconds, also=requests)
             self.refuse_disagreement(agreement, plan, requests)
-            return complete_now(self, plan.call, requests, plan.finish, plan.buffers, seconds)
-        return MpiWork(self, plan.call, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
+            return complete_now(self, op, requests, plan.finish, plan.buffers, seconds)
+        return MpiWork(self, op, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
                        agreement=(agreement, plan))
+
+    def where(self, op: str) -> str:
+        """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""
+        return f"{op} on the group of ranks {self.global_ranks}"
 
     def refuse_disagreement(self, agreement: Agreement, plan: Planned, requests: list) -> None:
         """Raise the one line every rank raises when the ranks brought different calls, counts or dtypes, or (where
@@ -212,11 +222,17 @@ class MpiProcessGroup(dist.ProcessGroup):
                         f"nbdist.backend.ranks.mpi_backend.renew() on every rank, or restart the engines")
 
     def timeout_error(self, op: str, seconds: float | None = None) -> Exception:
+        """The line for an operation that outlasted its timeout; for a collective, with what the roll call found:
+        which members wait in it too, which wait elsewhere (and where), which did not answer."""
         error = getattr(dist, "DistBackendError", RuntimeError)
         seconds = self.timeout_seconds if seconds is None else seconds
+        found = ""
+        if "#" in op:  # a collective: every member should be in it
+            answers = roll_call.ask(self, self.global_ranks, self._global_rank(), self.where(op))
+            found = roll_call.sentence(self.where(op), answers)
+        why = found or "a rank of the group did not take part"
         return error(f"{NAME} {op} on the group of ranks {self.global_ranks} timed out after {seconds:g} s on rank "
-                     f"{self._global_rank()}: a rank of the group did not take part (the call's timeout, or the "
-                     f"group's, sets how long to wait)")
+                     f"{self._global_rank()}: {why} (the call's or the group's timeout sets how long to wait)")
 
     def _global_rank(self) -> int:
         return self.global_ranks[self._comm.rank]
@@ -224,8 +240,13 @@ class MpiProcessGroup(dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_reduce", tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:  # summed as gloo sums them
+            from nbdist.backend.ranks import mpi_sparse
+
+            self._usable("all_reduce")
+            return mpi_sparse.all_reduce(self, self._comm, tensors[0], op, self.seconds(opts))
+        comm = self._usable("all_reduce", tensors)
         (tensor,) = data.single(tensors, "all_reduce")
         if op == dist.ReduceOp.SUM and data.direct(tensor):  # the common case, kept short
             post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)]  # noqa: E731
@@ -400,7 +421,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         comm = self._usable("send", tensors)
         (tensor,) = data.single(tensors, "send")
         send = data.contiguous(tensor)
-        return MpiWork(self, "send", [comm.Isend(data.raw(send), dst, tag)], tensors, None, (send,))
+        return MpiWork(self, f"send to rank {self.global_ranks[dst]}", [comm.Isend(data.raw(send), dst, tag)],
+                       tensors, None, (send,))
 
     def recv(self, tensors, src: int, tag: int) -> MpiWork:
         return self._receive(tensors, src, tag)
@@ -417,7 +439,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         (tensor,) = data.single(tensors, "recv")
         out = data.Output(tensor, copy_in=False)
         request = data.SourcedRequest(comm.Irecv(data.raw(out.work), src, tag))
-        return MpiWork(self, "recv", [request], tensors, out.finish, (out.work,))
+        sender = "any rank" if src < 0 else f"rank {self.global_ranks[src]}"
+        return MpiWork(self, f"recv from {sender}", [request], tensors, out.finish, (out.work,))
 
     def barrier(self, opts=None) -> MpiWork:
         comm = self._usable("barrier")

@@ -93,7 +93,7 @@ class Reduction:
     `finish` (None when nothing is left to do after MPI)."""
 
     def __init__(self, tensor: torch.Tensor, op, n: int, what: str, copy_in: bool):
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        kind = op if isinstance(op, _RedOp) else op.op  # a RedOpType passes isinstance(op, ReduceOp) too
         self.tensor, self.n = tensor, n
         self.average = kind == _RedOp.AVG
         dtype = WIDENED.get(tensor.dtype, tensor.dtype)
@@ -230,14 +230,6 @@ def all_of(finishes: Iterable[Callable | None]) -> Callable | None:
         for step in steps:
             step()
     return run
-
-
-def joined(group, op: str, works: list, outputs: list):
-    """One work for several (the coalesced calls): done when all are, finishing each."""
-    from nbdist.backend.ranks.mpi_work import MpiWork
-
-    return MpiWork(group, op, [r for w in works for r in w._requests], outputs,
-                   all_of(w._finish for w in works), tuple(b for w in works for b in w._buffers))
 
 
 class SourcedRequest:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from nbdist.backend.ranks.waiting import NAP_SECONDS, poll, test_all
 from nbdist.errors import DistUsageError
 
+_in_flight: set = set()  # works not yet complete: torch's C++ side may hold a work whose Python object would
+# otherwise be collected (and its buffers, the agreement's among them, freed while MPI still writes into them)
 CALLBACK_THREADS = 32  # futures' callbacks run on up to this many threads: a callback may wait on another future
 
 
@@ -32,7 +34,7 @@ def complete_now(group, op: str, requests: list, finish: Callable | None, buffer
     third of the backend's own time per small call. Returns one shared, completed Work."""
     seconds = group.timeout_seconds if seconds is None else seconds
     try:
-        ok = poll(requests, seconds)
+        ok = poll(requests, seconds, group.where(op))
     except BaseException:  # interrupted: the operation is given up (with `also`, posted beside it), out of step
         group.abandon(op, requests + list(also), buffers)
         raise
@@ -56,6 +58,8 @@ class MpiWork(dist.Work):
         """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first."""
         super().__init__()
         self._agreement = agreement
+        if requests:
+            _in_flight.add(self)  # alive until complete, whoever holds it: MPI writes into its buffers until then
         self._seconds = seconds if seconds is not None else (group.timeout_seconds if group is not None else 0.0)
         self._source = requests[0] if len(requests) == 1 and hasattr(requests[0], "source") else None
         self._group, self._op, self._requests, self._outputs = group, op, requests, outputs
@@ -81,7 +85,7 @@ class MpiWork(dist.Work):
                 raise self._group.timeout_error(self._op, seconds)
             return self._raise_if_failed()
         try:
-            ok = poll(self._requests, seconds)
+            ok = poll(self._requests, seconds, self._group.where(self._op))
         except BaseException:  # an interrupt (or any error) between tests: this operation is given up
             self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
             raise
@@ -134,7 +138,7 @@ class MpiWork(dist.Work):
         """Wait (interruptibly) for the agreement posted before this work's data, and look at it."""
         agreement = self._agreement[0]
         try:
-            ok = poll([agreement.request], seconds)
+            ok = poll([agreement.request], seconds, self._group.where(self._op))
         except BaseException:
             self._with_agreement_given_up()
             self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
@@ -171,6 +175,7 @@ class MpiWork(dist.Work):
         if ok and self._finish is not None:
             self._finish()
         self._done, self._requests, self._finish, self._buffers = True, [], None, ()
+        _in_flight.discard(self)
         if self._future is not None and not self._future.done():
             (settle or _call)(self._settle_future)
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import time
 
+from nbdist.backend.ranks import roll_call
+
 abandoned: list = []  # (requests, buffers) of interrupted or timed-out operations: MPI may still write into them
 
 SPIN_SECONDS = 50e-6  # pure spinning this long: a collective between ready ranks completes within it
@@ -53,9 +55,19 @@ def test_all(requests: list) -> bool:
     return MPI.Request.Testall(requests)
 
 
-def poll(requests: list, seconds: float) -> bool:
+def poll(requests: list, seconds: float, where: str | None = None) -> bool:
     """Test `requests` until complete (True) or until `seconds` have passed (False). Interruptible: a
-    KeyboardInterrupt raised by a signal handler between tests leaves this loop like any exception."""
+    KeyboardInterrupt raised by a signal handler between tests leaves this loop like any exception. `where`: what
+    this rank waits in, said to a roll call (roll_call.py) that arrives while the wait is long."""
+    previous = roll_call.waiting_in
+    roll_call.waiting_in = where or previous
+    try:
+        return _poll(requests, seconds)
+    finally:
+        roll_call.waiting_in = previous
+
+
+def _poll(requests: list, seconds: float) -> bool:
     if len(requests) == 1:
         test = requests[0].Test
     else:
@@ -67,6 +79,7 @@ def poll(requests: list, seconds: float) -> bool:
         return True
     start = time.monotonic()
     deadline = start + seconds
+    answer_at = start + YIELD_SECONDS
     spins = 0
     while not test():
         spins += 1
@@ -80,6 +93,9 @@ def poll(requests: list, seconds: float) -> bool:
         waited = now - start
         if waited > YIELD_SECONDS:
             time.sleep(NAP_SECONDS)
+            if now >= answer_at:  # a long wait: whoever timed out may be asking where this rank is
+                roll_call.answer_pending()
+                answer_at = now + roll_call.ANSWER_EVERY
         elif waited > SPIN_SECONDS:
             os.sched_yield()
     return True

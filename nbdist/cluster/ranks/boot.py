@@ -183,6 +183,9 @@ def boot() -> RankInfo:
     local_rank, ranks_on_host = node.rank, node.size
     single_host = ranks_on_host == comm.size
     node.Free()
+    from nbdist.backend.ranks import roll_call
+
+    roll_call.open_channel(comm)  # collective: where a timed-out collective asks the others where they are
     if single_host:
         _keep_to_this_host(inherited)
     binding = _bind(comm, local_rank, ranks_on_host)  # a collective: every rank has mapped MPICH's segment
