@@ -17,6 +17,8 @@ count, so no memory is harmed) and, if MPI could not complete it, the group is m
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,6 +34,8 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.com
 NO_DTYPE = -1
 ANY = -2  # no reduction or root to compare; no output total to show
 _CALL_CODES = {call: i for i, call in enumerate(CALLS)}
+ALL_REDUCE, SUM = _CALL_CODES["all_reduce"], int(dist.ReduceOp.RedOpType.SUM.value)
+_pack = struct.Struct("=6q").pack_into  # the six numbers into an int64 array, without numpy's per-item work
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
 
 
@@ -41,15 +45,22 @@ class Agreement:
     __slots__ = ("mine", "everyone", "request", "same_count")
 
     def __init__(self, comm, call: str, count: int, dtype: torch.dtype | None, detail: int = ANY,
-                 same_count: bool = True, outputs: int = ANY):
+                 same_count: bool = True, outputs: int = ANY, buffers: tuple | None = None, request=None):
         """Post the all-gather. Counts may differ where each rank brings its own share (all_gather's list form,
         gather, scatter, all_to_all): then `detail` carries what must still be equal (a code of the output sizes
-        every rank expects), `outputs` their total, which the line shows."""
+        every rank expects), `outputs` their total, which the line shows. `buffers`: (mine, everyone) to reuse
+        (a group's own, for calls completed before the next begins), else new ones."""
         self.same_count = same_count
-        self.mine = np.array((_CALL_CODES[call], count, _DTYPE_CODES.get(dtype, NO_DTYPE), detail, same_count,
-                              outputs), dtype=np.int64)
-        self.everyone = np.empty((comm.size, 6), dtype=np.int64)
+        self.mine, self.everyone = buffers or self.new_buffers(comm.size)
+        if request is not None:  # posted already (MpiProcessGroup's hot path), with these buffers
+            self.request = request
+            return
+        _pack(self.mine, 0, _CALL_CODES[call], count, _DTYPE_CODES.get(dtype, NO_DTYPE), detail, same_count, outputs)
         self.request = comm.Iallgather(self.mine, self.everyone)
+
+    @staticmethod
+    def new_buffers(size: int) -> tuple:
+        return np.empty(6, dtype=np.int64), np.empty((size, 6), dtype=np.int64)
 
     def counts(self) -> list[int]:
         return self.everyone[:, 1].tolist()
@@ -108,6 +119,13 @@ def one_dtype(items) -> torch.dtype | None:
     """The dtype shared by tensors (or dtypes), None if they have several (the line then says 'mixed-dtype')."""
     found = {getattr(item, "dtype", item) for item in items}
     return found.pop() if len(found) == 1 else None
+
+
+def post_sum(comm, buffers: tuple, count: int, dtype: torch.dtype):
+    """Post the agreement of an all_reduce SUM of `count` elements in `buffers` (the hot path's own way: no
+    object made); returns the request."""
+    _pack(buffers[0], 0, ALL_REDUCE, count, _DTYPE_CODES.get(dtype, NO_DTYPE), SUM, 1, ANY)
+    return comm.Iallgather(buffers[0], buffers[1])
 
 
 def sizes_code(sizes: list[int]) -> int:

@@ -27,15 +27,13 @@ engines initialise torch.distributed with torch rank = MPI rank, so they name MP
 creator on members only), made once per group. Sub-groups (`dist.new_group(ranks)`, a DeviceMesh's dimensions)
 are MPI sub-communicators this way.
 
-Where a naive Python backend spends its time (~130 us for a 1 KiB all-reduce, against MPI's few us): in how it
-waits. Measured here on 2 ranks (1 KiB Iallreduce, /tmp scripts of task 10A): `Test` in a loop with
-`time.sleep(1e-4)` between tests, 188 us (a sleep lasts far longer than asked); a helper thread completing a
-future that the caller waits on, 16 us; `Test` in a tight loop, 4 us, as fast as a blocking `Allreduce`. So a
-call here posts one non-blocking MPI operation on buffers made straight from the tensor's address (no numpy
-array, no datatype inference) and polls it without sleeping while the peers are quick (nbdist/engine/
-mpi_work.py); no future or thread exists unless `get_future()` is called, and calls made without `async_op`
-(`opts.asyncOp` false) complete before returning, with no Work object made. What remains is Python: torch's
-`dist.all_reduce` wrapper and this module's checks, a few us per call.
+Speed: a call posts non-blocking MPI operations on buffers made straight from the tensor's address and polls them
+without sleeping while the peers are quick (waiting.py: a sleep between tests cost 188 us at 1 KiB, a helper
+thread 16 us, a tight `Test` loop 4 us, as fast as a blocking `Allreduce`); no future or thread exists unless
+`get_future()` is called, and calls without `async_op` complete before returning. Each collective's agreement
+(mpi_agree.py) travels beside its data, and is what a 1 KiB all-reduce pays most for: measured on 2 ranks, in
+turns, ~23 us per dist.all_reduce against ~14 without it and ~6 for raw mpi4py (its MPI part is <1 us; the rest is
+Python: a second wait, torch's wrapper and this module's checks).
 
 Data: tensors travel as their bytes (any dtype, bf16 included, no copy when contiguous); reductions use the MPI
 datatype of the dtype, except float16 and bfloat16, which MPI cannot reduce: those are reduced through a float32
@@ -54,9 +52,10 @@ import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks import roll_call
-from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, reduction_code
-from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
-from nbdist.backend.ranks.waiting import abandoned, test_all
+from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, post_sum, reduction_code
+from nbdist.backend.ranks.mpi_moving import MovingData
+from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
+from nbdist.backend.ranks.waiting import abandoned, poll, test_all
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -86,6 +85,7 @@ def renew() -> dict:
             broken += group._broken is not None
             abandoned.append(((), (group._comm,)))  # not freed: a request abandoned on it may still be pending
             group._comm, group._broken = _communicator(group.global_ranks), None
+            group._agreement_buffers = Agreement.new_buffers(group._n)  # an abandoned all-gather may write the old
             group.generation += 1  # works still pending on the old communicator no longer mark the group
             renewed.append(group.global_ranks)
     return {"renewed": renewed, "broken": broken}
@@ -123,7 +123,7 @@ def _communicator(ranks: list[int]):
         members.Free()
 
 
-class MpiProcessGroup(dist.ProcessGroup):
+class MpiProcessGroup(MovingData, dist.ProcessGroup):
     """A torch process group whose operations are non-blocking MPI operations on its own communicator. Each
     method takes torch's arguments (lists and option objects, as gloo's do) and returns an MpiWork."""
 
@@ -135,6 +135,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         self.generation = 0  # how many times renew() replaced its communicator
         self._n = comm.size
         self.calls = 0  # collectives started on this group: the roll call's sequence numbers
+        self._where = f" on the group of ranks {global_ranks}"
+        self._agreement_buffers = Agreement.new_buffers(comm.size)  # for calls done before the next begins
         roll_call.known(self)
 
     # -- what torch asks of a process group ------------------------------------------------------------------
@@ -164,19 +166,48 @@ class MpiProcessGroup(dist.ProcessGroup):
         seconds = self.seconds(opts)
         self.calls += 1
         op = f"{plan.call} #{self.calls}"  # named so in errors and in the roll call: "all_reduce #12"
-        agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count, plan.outputs)
+        waits = opts is not None and not opts.asyncOp  # the common case: done before returning
+        agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count, plan.outputs,
+                              self._agreement_buffers if waits else None)
         requests = plan.post()
-        if opts is not None and not opts.asyncOp:  # the common case, kept short
-            buffers = plan.buffers + agreement.buffers()
-            complete_now(self, op, [agreement.request], None, buffers, seconds, also=requests)
+        if waits:
+            complete_now(self, op, [agreement.request], None, plan.buffers, seconds, also=requests)
             self.refuse_disagreement(agreement, plan, requests)
             return complete_now(self, op, requests, plan.finish, plan.buffers, seconds)
         return MpiWork(self, op, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
                        agreement=(agreement, plan))
 
+    def _sum_now(self, comm, tensor, opts) -> MpiWork:
+        """The hot path, a waited-for all_reduce SUM of a contiguous tensor: the same agreement and data as _start,
+        and when both are complete at the first test and agree, nothing else built (a 1 KiB all-reduce on 2 ranks
+        pays ~1 us for its agreement this way)."""
+        self.calls += 1
+        buffers = self._agreement_buffers
+        agreed = post_sum(comm, buffers, tensor.numel(), tensor.dtype)
+        request = comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)
+        op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
+        where = op + self._where
+        try:  # the agreement first: ranks that disagree may never complete the data
+            ok = poll([agreed], seconds, where)
+            if ok and buffers[1].tobytes() != buffers[0].tobytes() * self._n:
+                agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=buffers,
+                                      request=agreed)
+                plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
+                self.refuse_disagreement(agreement, plan, [request])
+            ok = ok and poll([request], seconds, where)
+        except DistUsageError:
+            raise
+        except BaseException:  # interrupted: given up, the group out of step
+            self.abandon(op, [agreed, request], ())
+            raise
+        if not ok:
+            self.abandon(op, [agreed, request], ())
+            raise self.timeout_error(op, seconds)
+        return done()
+
     def where(self, op: str) -> str:
         """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""
-        return f"{op} on the group of ranks {self.global_ranks}"
+        return op + self._where
 
     def refuse_disagreement(self, agreement: Agreement, plan: Planned, requests: list) -> None:
         """Raise the one line every rank raises when the ranks brought different calls, counts or dtypes, or (where
@@ -249,6 +280,8 @@ class MpiProcessGroup(dist.ProcessGroup):
         comm = self._usable("all_reduce", tensors)
         (tensor,) = data.single(tensors, "all_reduce")
         if op == dist.ReduceOp.SUM and data.direct(tensor):  # the common case, kept short
+            if opts is not None and not opts.asyncOp:
+                return self._sum_now(comm, tensor, opts)
             post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)]  # noqa: E731
             return self._start(comm, Planned("all_reduce", tensor.numel(), tensor.dtype, reduction_code(op), post,
                                              tensors), opts)
@@ -314,133 +347,6 @@ class MpiProcessGroup(dist.ProcessGroup):
         return self._start(self._comm, Planned.joined(parts, call="reduce_scatter_tensor"), opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    # -- moving data ---------------------------------------------------------------------------------------------
-
-    def broadcast(self, tensors, opts=None) -> MpiWork:
-        comm = self._usable("broadcast", tensors)
-        (tensor,) = data.single(tensors, "broadcast")
-        out = data.Output(tensor, copy_in=comm.rank == opts.rootRank)
-        post = lambda: [comm.Ibcast(data.raw(out.work), opts.rootRank)]  # noqa: E731
-        return self._start(comm, Planned("broadcast", tensor.numel(), tensor.dtype, opts.rootRank, post, tensors,
-                                         out.finish, (out.work,)), opts)
-
-    def allgather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_gather", output_tensors, input_tensors)
-        (outputs,), (tensor,) = data.single(output_tensors, "all_gather"), data.single(input_tensors, "all_gather")
-        data.same_count(outputs, self._n, "all_gather")
-        return self._start(comm, self._allgather_parts(comm, outputs, tensor, output_tensors), opts)
-
-    def _allgather_parts(self, comm, outputs, tensor, output_tensors, call: str = "all_gather") -> Planned:
-        send = data.contiguous(tensor)
-        gathered = data.Pieces(outputs)
-        post = lambda: [comm.Iallgatherv(data.raw(send), gathered.spec())]  # noqa: E731
-        return Planned(call, tensor.numel(), tensor.dtype, ANY, post, output_tensors, gathered.finish,
-                       (send, gathered.flat), expected=[o.numel() for o in outputs])
-
-    def _allgather_parts_into_tensor(self, output, input) -> Planned:
-        comm = self._usable("all_gather_into_tensor", output, input)
-        data.sizes_match(output.numel(), input.numel() * self._n, "all_gather_into_tensor")
-        out = data.Output(output, copy_in=True)
-        send = data.gather_source(data.contiguous(input), out.work, comm.rank)  # FSDP2 gathers in place
-        post = lambda: [comm.Iallgather(data.IN_PLACE if send is None else data.raw(send),  # noqa: E731
-                                        data.raw(out.work))]
-        return Planned("all_gather_into_tensor", input.numel(), input.dtype, ANY, post, [output], out.finish,
-                       (send, out.work))
-
-    def _allgather_base(self, output, input, opts=None) -> MpiWork:
-        return self._start(self._comm, self._allgather_parts_into_tensor(output, input), opts)
-
-    all_gather_single = _allgather_base  # torch 2.13's name for the same call
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> MpiWork:
-        parts = [self._allgather_parts_into_tensor(o, i) for o, i in zip(outputs, inputs)]
-        return self._start(self._comm, Planned.joined(parts, call="all_gather_into_tensor"), opts)
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None) -> MpiWork:
-        """all_gather of several tensors at once (torch's list form): one all_gather per input tensor, agreed on
-        as one call."""
-        comm = self._usable("all_gather_coalesced", output_lists, input_list)
-        data.same_count(output_lists, self._n, "all_gather_coalesced")
-        parts = [self._allgather_parts(comm, [outputs[i] for outputs in output_lists], tensor, [],
-                                       "all_gather_coalesced") for i, tensor in enumerate(input_list)]
-        return self._start(comm, Planned.joined(parts, [t for outputs in output_lists for t in outputs],
-                                                "all_gather_coalesced"), opts)
-
-    def gather(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("gather", output_tensors, input_tensors)
-        (tensor,) = data.single(input_tensors, "gather")
-        send, root = data.contiguous(tensor), opts.rootRank
-        if comm.rank != root:
-            post = lambda: [comm.Igatherv(data.raw(send), None, root)]  # noqa: E731
-            return self._start(comm, Planned("gather", tensor.numel(), tensor.dtype, root, post, [], None, (send,),
-                                             same_count=False), opts)
-        (outputs,) = data.single(output_tensors, "gather")
-        data.same_count(outputs, self._n, "gather")
-        gathered = data.Pieces(outputs)
-        post = lambda: [comm.Igatherv(data.raw(send), gathered.spec(), root)]  # noqa: E731
-        return self._start(comm, Planned("gather", tensor.numel(), tensor.dtype, root, post, output_tensors,
-                                         gathered.finish, (send, gathered.flat), same_count=False), opts)
-
-    def scatter(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("scatter", output_tensors, input_tensors)
-        (tensor,) = data.single(output_tensors, "scatter")
-        out, root = data.Output(tensor, copy_in=False), opts.rootRank
-        spec, flat = None, None
-        if comm.rank == root:
-            (inputs,) = data.single(input_tensors, "scatter")
-            data.same_count(inputs, self._n, "scatter")
-            flat = data.concatenated(inputs)
-            spec = data.pieces_spec(flat, inputs)
-        post = lambda: [comm.Iscatterv(spec, data.raw(out.work), root)]  # noqa: E731
-        return self._start(comm, Planned("scatter", tensor.numel(), tensor.dtype, root, post, output_tensors,
-                                         out.finish, (out.work, flat), same_count=False), opts)
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> MpiWork:
-        comm = self._usable("all_to_all_single", output, input)
-        send, out = data.contiguous(input), data.Output(output, copy_in=False)
-        send_spec = data.split_spec(send, input_split_sizes, self._n, "all_to_all_single")
-        recv_spec = data.split_spec(out.work, output_split_sizes, self._n, "all_to_all_single")
-        post = lambda: [comm.Ialltoallv(send_spec, recv_spec)]  # noqa: E731
-        return self._start(comm, Planned("all_to_all_single", input.numel(), input.dtype, ANY, post, [output],
-                                         out.finish, (send, out.work), same_count=False), opts)
-
-    def alltoall(self, output_tensors, input_tensors, opts=None) -> MpiWork:
-        comm = self._usable("all_to_all", output_tensors, input_tensors)
-        data.same_count(input_tensors, self._n, "all_to_all")
-        data.same_count(output_tensors, self._n, "all_to_all")
-        flat, gathered = data.concatenated(input_tensors), data.Pieces(output_tensors)
-        post = lambda: [comm.Ialltoallv(data.pieces_spec(flat, input_tensors), gathered.spec())]  # noqa: E731
-        return self._start(comm, Planned("all_to_all", flat.numel(), one_dtype(input_tensors), ANY, post,
-                                         output_tensors, gathered.finish, (flat, gathered.flat), same_count=False),
-                           opts)
-
-    def send(self, tensors, dst: int, tag: int) -> MpiWork:
-        comm = self._usable("send", tensors)
-        (tensor,) = data.single(tensors, "send")
-        send = data.contiguous(tensor)
-        return MpiWork(self, f"send to rank {self.global_ranks[dst]}", [comm.Isend(data.raw(send), dst, tag)],
-                       tensors, None, (send,))
-
-    def recv(self, tensors, src: int, tag: int) -> MpiWork:
-        return self._receive(tensors, src, tag)
-
-    def recv_anysource(self, tensors, tag: int) -> MpiWork:
-        """A receive from whichever rank sends first; the work's `_source_rank()` says which (a group rank, as
-        torch's `dist.recv(t)` without `src` expects)."""
-        from mpi4py import MPI
-
-        return self._receive(tensors, MPI.ANY_SOURCE, tag)
-
-    def _receive(self, tensors, src: int, tag: int) -> MpiWork:
-        comm = self._usable("recv", tensors)
-        (tensor,) = data.single(tensors, "recv")
-        out = data.Output(tensor, copy_in=False)
-        request = data.SourcedRequest(comm.Irecv(data.raw(out.work), src, tag))
-        sender = "any rank" if src < 0 else f"rank {self.global_ranks[src]}"
-        return MpiWork(self, f"recv from {sender}", [request], tensors, out.finish, (out.work,))
 
     def barrier(self, opts=None) -> MpiWork:
         comm = self._usable("barrier")

@@ -43,7 +43,7 @@ def complete_now(group, op: str, requests: list, finish: Callable | None, buffer
         raise group.timeout_error(op, seconds)
     if finish is not None:
         finish()
-    return _done()
+    return done()
 
 
 class MpiWork(dist.Work):
@@ -294,7 +294,7 @@ def _progress() -> _Progress:
 _DONE: list[MpiWork] = []
 
 
-def _done() -> MpiWork:
+def done() -> MpiWork:
     """The one completed Work that synchronous calls return (torch's dist.* functions only wait on it)."""
     if not _DONE:
         work = MpiWork(None, "done", [], [], None, ())
