@@ -1,6 +1,7 @@
 """Checks of user input shared by every feature: each failure is one DistUsageError line naming the argument."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from nbdist.errors import DistUsageError
@@ -54,3 +55,28 @@ def fits(needed: int, free: int, total: int, rank: int, device: str, what: str) 
             f"rank {rank} ({device}): {what} needs {format_bytes(needed)} but {format_bytes(free)} of "
             f"{format_bytes(total)} is free there; use more engines, a higher ZeRO stage, tensor or pipeline "
             f"parallelism, or a smaller batch")
+
+
+CALLS = {  # how the loop calls each function the user gives
+    "model_fn": (), "data_fn": (), "eval_data_fn": (), "loss_fn": ("output", "target"),
+    "optimizer_fn": ("params",), "lr_schedule": ("step",),
+}
+
+
+def check_functions(**functions) -> None:
+    """Each given function is callable with the arguments the loop passes it (None: not given)."""
+    for label, fn in functions.items():
+        if fn is None and label in ("eval_data_fn", "lr_schedule"):
+            continue
+        if not callable(fn):
+            raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
+        arguments = CALLS[label]
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without one: the call will tell
+            continue
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            raise DistUsageError(f"{label} is called as {label}({', '.join(arguments)}), but it takes "
+                                 f"{signature}") from None

@@ -404,8 +404,8 @@ def check_step_inputs(model: nn.Module, inputs: torch.Tensor, loss_fn) -> None:
     """One line, before a step reaches the ranks, for inputs the model's first layer cannot take (dtype, width,
     ids against features: read from the kernel's copy of the model, meta or not, without running it) and a loss
     function that cannot be called as loss_fn(output, target)."""
-    from nbdist.training.inputs import check_functions
-    from nbdist.training.ranks.inputs import sample_mismatch
+    from nbdist.checks import check_functions
+    from nbdist.models.inputs import sample_mismatch
 
     check_functions(loss_fn=loss_fn)
     if inputs.dim() and inputs.shape[0]:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from torch import nn
 
-from nbdist.checks import one_of, whole_number
+from nbdist.checks import check_functions, one_of, whole_number
 from nbdist.cluster.api import Cluster, current
 from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
@@ -31,7 +31,6 @@ from nbdist.sharding.ranks import timing
 from nbdist.sharding.shape import check_shape, micro_batch_size
 from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
-from nbdist.training.inputs import check_functions
 from nbdist.wire import portable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules

@@ -5,37 +5,13 @@ loss function's result, a first step that fails) they say themselves, in one lin
 """
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 
-from nbdist.checks import whole_number
+from nbdist.checks import check_functions, whole_number  # noqa: F401 - check_functions: the Trainer's
 from nbdist.errors import DistUsageError, debugging
 
-CALLS = {  # how the loop calls each function the user gives
-    "model_fn": (), "data_fn": (), "eval_data_fn": (), "loss_fn": ("output", "target"),
-    "optimizer_fn": ("params",), "lr_schedule": ("step",),
-}
 LIVE = (True, False, "always")
-
-
-def check_functions(**functions) -> None:
-    """Each given function is callable with the arguments the loop passes it (None: not given)."""
-    for label, fn in functions.items():
-        if fn is None and label in ("eval_data_fn", "lr_schedule"):
-            continue
-        if not callable(fn):
-            raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")
-        arguments = CALLS[label]
-        try:
-            signature = inspect.signature(fn)
-        except (TypeError, ValueError):  # a builtin without one: the call will tell
-            continue
-        try:
-            signature.bind(*arguments)
-        except TypeError:
-            raise DistUsageError(f"{label} is called as {label}({', '.join(arguments)}), but it takes "
-                                 f"{signature}") from None
 
 
 def check_lr_schedule(lr_schedule, first: int, steps: int) -> None:

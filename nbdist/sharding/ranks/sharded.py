@@ -130,7 +130,7 @@ class ShardedModel:
 def setup(spec) -> str | None:
     """Build this rank's part of the model; an optimizer_fn torch refuses (or that makes no optimizer) is
     returned as one line instead, before any collective of the build."""
-    from nbdist.training.ranks.inputs import optimizer_problem
+    from nbdist.models.inputs import optimizer_problem
 
     make = restore(spec.optimizer)
     problem = None if make is None else optimizer_problem(make)
