@@ -54,8 +54,8 @@ from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks import roll_call
 from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, post_sum, reduction_code
 from nbdist.backend.ranks.mpi_moving import MovingData
-from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
-from nbdist.backend.ranks.waiting import abandoned, poll, test_all
+from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
+from nbdist.backend.ranks.waiting import abandoned, test_all
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -159,9 +159,9 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
 
     def _start(self, comm, plan: Planned, opts=None) -> MpiWork:
         """Post the call's agreement (mpi_agree.py) and, right behind it, its data; whoever waits looks at the
-        agreement first. Posted together, the two cost one round trip, not two (a 1 KiB all-reduce: ~9 us against
-        ~23 us when the data waited for the agreement); MPI never writes past a buffer's count, so a disagreement
-        costs no memory, only the data's result, which is then refused. A caller that waits anyway (`opts.asyncOp`
+        agreement first. Posted together, both are in flight at once instead of one after the other; MPI never
+        writes past a buffer's count, so a disagreement costs no memory, only the data's result, which is then
+        refused. A caller that waits anyway (`opts.asyncOp`
         false: torch's dist.* without async_op) gets it done before returning."""
         seconds = self.seconds(opts)
         self.calls += 1
@@ -178,32 +178,19 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
                        agreement=(agreement, plan))
 
     def _sum_now(self, comm, tensor, opts) -> MpiWork:
-        """The hot path, a waited-for all_reduce SUM of a contiguous tensor: the same agreement and data as _start,
-        and when both are complete at the first test and agree, nothing else built (a 1 KiB all-reduce on 2 ranks
-        pays ~1 us for its agreement this way)."""
+        """The hot path, a waited-for all_reduce SUM of a contiguous tensor: what _start does, without the objects
+        (Planned, Agreement) it builds for every other call; they are made only to say a disagreement."""
         self.calls += 1
-        buffers = self._agreement_buffers
+        buffers, seconds = self._agreement_buffers, self.seconds(opts)
+        op = f"all_reduce #{self.calls}"
         agreed = post_sum(comm, buffers, tensor.numel(), tensor.dtype)
         request = comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)
-        op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
-        where = op + self._where
-        try:  # the agreement first: ranks that disagree may never complete the data
-            ok = poll([agreed], seconds, where)
-            if ok and buffers[1].tobytes() != buffers[0].tobytes() * self._n:
-                agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=buffers,
-                                      request=agreed)
-                plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
-                self.refuse_disagreement(agreement, plan, [request])
-            ok = ok and poll([request], seconds, where)
-        except DistUsageError:
-            raise
-        except BaseException:  # interrupted: given up, the group out of step
-            self.abandon(op, [agreed, request], ())
-            raise
-        if not ok:
-            self.abandon(op, [agreed, request], ())
-            raise self.timeout_error(op, seconds)
-        return done()
+        complete_now(self, op, [agreed], None, (), seconds, also=[request])  # first: disagreeing ranks may never
+        if buffers[1].tobytes() != buffers[0].tobytes() * self._n:          # complete the data
+            agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=buffers, request=agreed)
+            plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
+            self.refuse_disagreement(agreement, plan, [request])
+        return complete_now(self, op, [request], None, (), seconds)
 
     def where(self, op: str) -> str:
         """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""

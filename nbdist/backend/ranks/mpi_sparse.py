@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks.mpi_work import complete_now
@@ -35,17 +34,10 @@ def all_reduce(group, comm, tensor: torch.Tensor, op, seconds: float):
     total = sum(counts)
     all_rows = torch.empty((total, rows.shape[1]), dtype=rows.dtype)
     all_values = torch.empty((total, *values.shape[1:]), dtype=values.dtype)
-    requests = [comm.Iallgatherv(data.raw(rows), _spec(all_rows, counts)),
-                comm.Iallgatherv(data.raw(values), _spec(all_values, counts))]
+    requests = [comm.Iallgatherv(data.raw(rows), data.split_spec(all_rows, counts, comm.size, "all_reduce")),
+                comm.Iallgatherv(data.raw(values), data.split_spec(all_values, counts, comm.size, "all_reduce"))]
     complete_now(group, name, requests, None, (rows, values, all_rows, all_values), seconds)
     summed = torch.sparse_coo_tensor(all_rows.t(), all_values, tensor.shape).coalesce()
     tensor.copy_(summed)
     return complete_now(group, name, [], None, (), seconds)
 
-
-def _spec(out: torch.Tensor, counts: list[int]) -> list:
-    """The receive spec: each rank's rows, in bytes."""
-    row_bytes = out[0].nbytes if out.shape[0] else 0
-    sizes = [c * row_bytes for c in counts]
-    offsets = np.cumsum([0] + sizes[:-1]).tolist()
-    return [MPI.buffer.fromaddress(out.data_ptr(), out.nbytes), sizes, offsets, MPI.BYTE]

@@ -43,7 +43,7 @@ def complete_now(group, op: str, requests: list, finish: Callable | None, buffer
         raise group.timeout_error(op, seconds)
     if finish is not None:
         finish()
-    return done()
+    return _done()
 
 
 class MpiWork(dist.Work):
@@ -268,7 +268,6 @@ class _Progress:
             work._complete(False, self._settle_elsewhere)
         return True
 
-
     def _late(self, work: MpiWork, deadline: float) -> bool:
         """False while the work may still complete; past its deadline it fails (True: settled)."""
         if time.monotonic() <= deadline:
@@ -294,7 +293,7 @@ def _progress() -> _Progress:
 _DONE: list[MpiWork] = []
 
 
-def done() -> MpiWork:
+def _done() -> MpiWork:
     """The one completed Work that synchronous calls return (torch's dist.* functions only wait on it)."""
     if not _DONE:
         work = MpiWork(None, "done", [], [], None, ())

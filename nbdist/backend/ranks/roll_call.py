@@ -16,6 +16,7 @@ timeout says what it said before.
 from __future__ import annotations
 
 import time
+import weakref
 
 QUERY, REPLY = 31500, 31501  # tags on the roll call's own communicator
 ANSWER_EVERY = 0.005  # seconds between looks for a roll call while a wait is long
@@ -24,7 +25,8 @@ LISTEN_SECONDS = 1.0  # how long a timed-out rank waits for the answers
 _comm = None
 _sent: list = []  # answers in flight (their requests), dropped once complete
 waiting_in: str | None = None  # where this rank waits now, for whoever asks
-_groups: dict = {}  # group name -> the group (its `calls` count is read when asked)
+_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # group name -> the group (its `calls` count
+# is read when asked); weak, as mpi_backend's own list: a group torch dropped is not kept alive here
 
 
 def open_channel(world) -> None:
