@@ -328,7 +328,12 @@ def refuses_tensors_not_in_cpu_memory() -> dict:
     after = torch.ones(2) * (r + 1)
     refused = {op: refusal(call) for op, call in ops.items()}
     dist.all_reduce(after)
+    # What torch asks a new group bound to a GPU (see test_cuda_tensors_on_an_mpi4py_group_are_refused) before any
+    # tensor: its backend on that device, and whether it splits. Here the question, on CPU.
+    group = dist.distributed_c10d._get_default_group()
+    asked = [group._get_backend(torch.device(d)) is group for d in ("cuda:0", "meta", "cpu")]
     return {"backend": dist.get_backend(), "after": after.tolist(), "refused": refused,
+            "its own backend, no split": asked + [group._get_backend(torch.device("cuda:0")).supports_splitting],
             "shapes": {name: refusal(lambda a=a: mpi_data.on_cpu("all_gather", a)) for name, a in shapes.items()}}
 
 
@@ -372,6 +377,7 @@ def test_tensors_not_in_cpu_memory_are_refused_in_one_line_by_every_operation(cl
         for op, message in seen["refused"].items():
             assert message == f"mpi4py {op}: a tensor on meta, but {NOT_CPU}", (rank, op)
         assert seen["after"] == [3.0, 3.0], f"rank {rank}: the group is out of step after the refusals"
+        assert seen["its own backend, no split"] == [True, True, True, False], (rank, seen)
 
 
 @cuda_only

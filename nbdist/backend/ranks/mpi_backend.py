@@ -144,6 +144,17 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
     def getBackendName(self) -> str:
         return NAME
 
+    supports_splitting = False  # a new group makes its own communicator (MPI_Comm_create_group), never a split
+
+    def _get_backend(self, device: torch.device) -> MpiProcessGroup:
+        """This group is its own backend, whatever the device. torch asks for it by device: a group made on a GPU
+        engine inherits the default group's `bound_device_id` (cuda:N), and `_new_process_group_helper` then asks
+        `pg._get_backend(cuda:N).supports_splitting` to connect it early; the C++ ProcessGroup, which has no backend
+        registered for this Python group, would answer "No backend type associated with device type cuda" and
+        `new_group(backend="mpi4py")` would fail there. CUDA tensors are still refused, at each operation
+        (mpi_data.on_cpu)."""
+        return self
+
     @property
     def group_name(self) -> str:
         return self._name  # ProcessGroup's own getter asks a C++ backend, which this group has none of
