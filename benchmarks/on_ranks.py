@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nbdist.pipeline_parallel.ranks import pairs
-from nbdist.pipeline_parallel.ranks import pipeline
-from nbdist.cluster.ranks import rank_mesh
-from nbdist.cluster.ranks import registry
+from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.pipeline_parallel.ranks import pairs, pipeline
 from nbdist.pipeline_parallel.ranks.transport import make_transport
 
 KIND = "benchmark"
@@ -304,3 +302,61 @@ def tp_setup(key: str, build: bytes, x, y, lr: float) -> str:
 
 def tp_steps(key: str, k: int) -> dict:
     return registry.get(KIND, key).steps(k)
+
+
+# -- what one small all-reduce costs, piece by piece (bench_mpi_backend.py) ------------------------------------------
+
+
+class _NothingGroup(dist.ProcessGroup):
+    """A process group whose all_reduce does nothing: what torch's own `dist.all_reduce` costs around any backend
+    written in Python (the floor under nbdist's MPI backend)."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+
+    def getBackendName(self) -> str:
+        return "nothing"
+
+    def allreduce(self, tensors, opts=None):
+        from nbdist.backend.ranks.mpi_work import done
+
+        return done()
+
+
+def small_call_costs(nbytes: int, k: int) -> dict:
+    """Microseconds per call, k calls back to back from a barrier, of a float32 all-reduce of `nbytes` on the whole
+    world: raw mpi4py blocking and non-blocking, the non-blocking pair a call of the MPI backend posts (its
+    agreement beside its data), torch's dist.all_reduce into a group that does nothing, and the MPI backend."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm, n = MPI.COMM_WORLD, dist.get_world_size()
+    tensor = torch.zeros(nbytes // 4)
+    array, mine, everyone = tensor.numpy(), np.zeros(6, np.int64), np.zeros((n, 6), np.int64)
+    nothing = _NothingGroup(dist.get_rank(), n)
+
+    def nonblocking() -> None:
+        request = comm.Iallreduce(MPI.IN_PLACE, array)
+        while not request.Test():
+            pass
+
+    def pair() -> None:
+        agreement, request = comm.Iallgather(mine, everyone), comm.Iallreduce(MPI.IN_PLACE, array)
+        while not (agreement.Test() and request.Test()):
+            pass
+
+    calls = {"raw mpi4py Allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, array),
+             "raw mpi4py Iallreduce + Test": nonblocking,
+             "raw mpi4py Iallgather (agreement) + Iallreduce + Test": pair,
+             "dist.all_reduce into a group that does nothing": lambda: dist.all_reduce(tensor, group=nothing),
+             "dist.all_reduce on the MPI backend": lambda: dist.all_reduce(tensor)}
+    out = {}
+    for name, call in calls.items():
+        for _ in range(max(10, k // 20)):
+            call()
+        comm.Barrier()
+        started = time.perf_counter()
+        for _ in range(k):
+            call()
+        out[name] = (time.perf_counter() - started) / k * 1e6
+    return out

@@ -5,7 +5,9 @@ On real engines (the shared 4-engine cluster, whose default process group is nbd
   one line naming what each brought, no data moves, and the group is usable after (the check runs before the
   operation: nothing was posted, so nothing is out of step);
 - a receive from any source says which rank sent; a call's own timeout (a work's `wait(timeout)`, a collective's
-  option) is the one applied; all_gather_coalesced; sparse tensors and PREMUL_SUM refused in one line.
+  option) is the one applied; all_gather_coalesced; sparse tensors and PREMUL_SUM refused in one line;
+- a collective that times out names who waits in it and where the missing rank is; a rank killed while the others
+  wait in a collective is named, and they are freed within the death watch's seconds (a cluster of its own).
 """
 from __future__ import annotations
 
@@ -226,3 +228,40 @@ def _sparse_sum() -> list:
 def test_a_sparse_all_reduce_sums_as_gloo_does(cluster):
     dense = [[1.0, 0.0], [2.0, 0.0], [0.0, 0.0], [0.0, 20.0]]
     assert cluster.run(_sparse_sum) == [[dense, 3], [dense, 3]]
+
+
+def _all_reduce_while_rank_1_sleeps() -> str:
+    """Rank 0 waits in an all-reduce (its group's timeout: the default, 30 minutes); rank 1 sleeps until killed."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    dist.all_reduce(torch.ones(1))
+    return "completed"
+
+
+def test_a_rank_that_dies_while_the_others_wait_in_a_collective_is_named_and_frees_them():
+    import os
+    import signal
+    import threading
+    import time
+
+    import nbdist
+    from nbdist.cluster.options import ClusterOptions
+    from nbdist.errors import DistError, DistUsageError
+
+    with nbdist.Cluster(ClusterOptions(n=2)).start() as cluster:  # its own: one of its ranks is killed
+        pid = cluster._info[1]["pid"]
+        threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(DistError) as raised:
+            cluster.run(_all_reduce_while_rank_1_sleeps, timeout=90)
+        freed_after = time.monotonic() - started - 2.0
+        line = str(raised.value)
+        assert f"rank 1 (pid {pid} on {cluster.hosts[1]}) died" in line and "\n" not in line, line
+        assert freed_after < 5.0, freed_after  # the death watch's time, not the collective's 30 minutes
+        with pytest.raises(DistUsageError, match="an engine died"):
+            cluster.run(lambda: 1)

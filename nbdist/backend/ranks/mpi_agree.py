@@ -122,11 +122,26 @@ def one_dtype(items) -> torch.dtype | None:
     return found.pop() if len(found) == 1 else None
 
 
-def post_sum(comm, buffers: tuple, count: int, dtype: torch.dtype):
-    """Post the agreement of an all_reduce SUM of `count` elements in `buffers` (the hot path's own way: no
-    object made); returns the request."""
-    _pack(buffers[0], 0, ALL_REDUCE, count, _DTYPE_CODES.get(dtype, NO_DTYPE), SUM, 1, ANY)
-    return comm.Iallgather(buffers[0], buffers[1])
+class SumAgreement:
+    """The agreement of the hot path, a waited-for all_reduce SUM, with buffers of its own: what this rank brings
+    stays packed from one call to the next (a training loop sums the same sizes over and over), and so does what
+    every rank must then have brought."""
+
+    def __init__(self, size: int):
+        self.buffers = Agreement.new_buffers(size)
+        self._size, self._packed, self._expected = size, None, b""
+
+    def post(self, comm, count: int, dtype: torch.dtype):
+        """Post the agreement of a sum of `count` elements of `dtype`; returns the request."""
+        mine, everyone = self.buffers
+        if self._packed != (count, dtype):
+            _pack(mine, 0, ALL_REDUCE, count, _DTYPE_CODES.get(dtype, NO_DTYPE), SUM, 1, ANY)
+            self._packed, self._expected = (count, dtype), mine.tobytes() * self._size
+        return comm.Iallgather(mine, everyone)
+
+    def agreed(self) -> bool:
+        """Whether every rank brought what this one did (the agreement complete)."""
+        return self.buffers[1].tobytes() == self._expected
 
 
 def sizes_code(sizes: list[int]) -> int:

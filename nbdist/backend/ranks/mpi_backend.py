@@ -15,9 +15,10 @@ pybind trampoline): `MpiProcessGroup` is one, and torch uses what the creator re
 (`_new_process_group_helper`: "a subclass of ProcessGroup ... return this process group immediately"). Python
 callers (`dist.all_reduce` -> `group.allreduce([t], opts)`) reach its methods directly; C++ callers (DDP's
 reducer, `_broadcast_coalesced`) through the trampoline. It is registered with `devices=["cpu"]`, so that
-torch's device-to-backend map sends cpu tensors to it. Such a group has no C++ backend behind it, so a direct
-`group._get_backend(torch.device("cpu"))` still raises "No backend type associated with device type cpu"; DDP,
-FSDP2 (`fully_shard`), DeviceMesh, DTensor and `batch_isend_irecv` do not ask for one (tried on torch 2.13).
+torch's device-to-backend map sends cpu tensors to it. Such a group has no C++ backend behind it; asked for its
+backend on a device (`group._get_backend(device)`, which torch asks of every new group on a GPU engine, where the
+default group is bound to cuda:N), it answers itself (MpiProcessGroup._get_backend). DDP, FSDP2 (`fully_shard`),
+DeviceMesh, DTensor and `batch_isend_irecv` work on it (tried on torch 2.13; new_group on a GPU engine on 2.11).
 
 Which ranks a group has: the creator is registered with `extended_api=True`, so torch hands it a
 `_DistributedBackendOptions` with `global_ranks_in_group` (empty for the default group: the whole world),
@@ -28,12 +29,15 @@ creator on members only), made once per group. Sub-groups (`dist.new_group(ranks
 are MPI sub-communicators this way.
 
 Speed: a call posts non-blocking MPI operations on buffers made straight from the tensor's address and polls them
-without sleeping while the peers are quick (waiting.py: a sleep between tests cost 188 us at 1 KiB, a helper
-thread 16 us, a tight `Test` loop 4 us, as fast as a blocking `Allreduce`); no future or thread exists unless
-`get_future()` is called, and calls without `async_op` complete before returning. Each collective's agreement
-(mpi_agree.py) travels beside its data, and is what a 1 KiB all-reduce pays most for: measured on 2 ranks, in
-turns, ~23 us per dist.all_reduce against ~14 without it and ~6 for raw mpi4py (its MPI part is <1 us; the rest is
-Python: a second wait, torch's wrapper and this module's checks).
+(waiting.py); no future or thread exists unless `get_future()` is called, and calls without `async_op` complete
+before returning. The waited-for all_reduce SUM of a contiguous tensor (dist.all_reduce(t), the common case) has
+a path of its own (_sum_now): the fewest checks, its agreement kept packed between calls, the MPI buffer made once
+per tensor memory (mpi_data.summable), a short spin on both requests before the full poll. Measured at 1 KiB on
+2 ranks, per call: raw mpi4py `Allreduce` ~4 us; torch's own `dist.all_reduce` into a Python group that does
+nothing ~4.5-7 us (the floor of any backend written in Python); the agreement beside the data ~1.7 us more than the
+data alone (a second collective); this path ~11-15 us (bench_mpi_backend.py prints the breakdown). After the
+agreement came back every rank is known to be in the call, so the rest is transfer and is polled without naps
+(waiting.TRANSFER_SECONDS): MPICH moves shared-memory data only inside a test.
 
 Data: tensors travel as their bytes (any dtype, bf16 included, no copy when contiguous); reductions use the MPI
 datatype of the dtype, except float16 and bfloat16, which MPI cannot reduce: those are reduced through a float32
@@ -52,13 +56,14 @@ import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks import roll_call
-from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, one_dtype, post_sum, reduction_code
+from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, SumAgreement, one_dtype, reduction_code
 from nbdist.backend.ranks.mpi_moving import MovingData
-from nbdist.backend.ranks.mpi_work import MpiWork, complete_now
-from nbdist.backend.ranks.waiting import abandoned, test_all
+from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
+from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
+_SUM, _STRIDED = dist.ReduceOp.SUM, torch.strided
 _groups: list[weakref.ref] = []  # every MpiProcessGroup of this process, in creation order (for renew)
 
 
@@ -86,6 +91,7 @@ def renew() -> dict:
             abandoned.append(((), (group._comm,)))  # not freed: a request abandoned on it may still be pending
             group._comm, group._broken = _communicator(group.global_ranks), None
             group._agreement_buffers = Agreement.new_buffers(group._n)  # an abandoned all-gather may write the old
+            group._sums = SumAgreement(group._n)
             group.generation += 1  # works still pending on the old communicator no longer mark the group
             renewed.append(group.global_ranks)
     return {"renewed": renewed, "broken": broken}
@@ -137,6 +143,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         self.calls = 0  # collectives started on this group: the roll call's sequence numbers
         self._where = f" on the group of ranks {global_ranks}"
         self._agreement_buffers = Agreement.new_buffers(comm.size)  # for calls done before the next begins
+        self._sums = SumAgreement(comm.size)  # the hot path's own: its last agreement stays packed for the next
         roll_call.known(self)
 
     # -- what torch asks of a process group ------------------------------------------------------------------
@@ -184,24 +191,37 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         if waits:
             complete_now(self, op, [agreement.request], None, plan.buffers, seconds, also=requests)
             self.refuse_disagreement(agreement, plan, requests)
-            return complete_now(self, op, requests, plan.finish, plan.buffers, seconds)
+            return complete_now(self, op, requests, plan.finish, plan.buffers, seconds, transfer=True)
         return MpiWork(self, op, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
                        agreement=(agreement, plan))
 
-    def _sum_now(self, comm, tensor, opts) -> MpiWork:
-        """The hot path, a waited-for all_reduce SUM of a contiguous tensor: what _start does, without the objects
-        (Planned, Agreement) it builds for every other call; they are made only to say a disagreement."""
+    def _sum_now(self, comm, tensor, spec: list, opts) -> MpiWork:
+        """The hot path, a waited-for all_reduce SUM of a contiguous CPU tensor: what _start does, without the
+        objects (Planned, Agreement, the call's name, its timeout) it makes for every other call; they are made only
+        when the call is slow or the ranks disagree. Between ready ranks a small sum completes within a few tests,
+        so a short spin here ends most calls; a longer wait goes through complete_now (interruptible, timed).
+        `spec`: the tensor as an MPI buffer (mpi_data.summable)."""
         self.calls += 1
-        buffers, seconds = self._agreement_buffers, self.seconds(opts)
-        op = f"all_reduce #{self.calls}"
-        agreed = post_sum(comm, buffers, tensor.numel(), tensor.dtype)
-        request = comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)
-        complete_now(self, op, [agreed], None, (), seconds, also=[request])  # first: disagreeing ranks may never
-        if buffers[1].tobytes() != buffers[0].tobytes() * self._n:          # complete the data
-            agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=buffers, request=agreed)
+        sums = self._sums
+        agreed = sums.post(comm, tensor.numel(), tensor.dtype)
+        request = comm.Iallreduce(data.IN_PLACE, spec, data.MPI_SUM)
+        try:
+            quick = quickly_complete(agreed, request)
+        except BaseException:  # interrupted: both are given up, the group is out of step
+            self.abandon("all_reduce", [agreed, request], ())
+            raise
+        if not quick:
+            op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
+            complete_now(self, op, [agreed], None, (), seconds, also=[request])  # first: disagreeing ranks may
+        if not sums.agreed():                                                  # never complete the data
+            agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=sums.buffers,
+                                  request=agreed)
             plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
             self.refuse_disagreement(agreement, plan, [request])
-        return complete_now(self, op, [request], None, (), seconds)
+        if quick:
+            return done()
+        return complete_now(self, f"all_reduce #{self.calls}", [request], None, (), self.seconds(opts),
+                            transfer=True)
 
     def where(self, op: str) -> str:
         """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""
@@ -269,6 +289,12 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None) -> MpiWork:
+        if opts is not None and len(tensors) == 1 and not opts.asyncOp and self._broken is None:
+            tensor = tensors[0]  # the common case, dist.all_reduce(t): checked here in the fewest steps
+            if tensor.is_cpu and tensor.layout is _STRIDED and tensor.is_contiguous() and opts.reduceOp == _SUM:
+                spec = data.summable(tensor)
+                if spec is not None:
+                    return self._sum_now(self._comm, tensor, spec, opts)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:  # summed as gloo sums them
             from nbdist.backend.ranks import mpi_sparse
@@ -277,9 +303,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
             return mpi_sparse.all_reduce(self, self._comm, tensors[0], op, self.seconds(opts))
         comm = self._usable("all_reduce", tensors)
         (tensor,) = data.single(tensors, "all_reduce")
-        if op == dist.ReduceOp.SUM and data.direct(tensor):  # the common case, kept short
-            if opts is not None and not opts.asyncOp:
-                return self._sum_now(comm, tensor, opts)
+        if op == dist.ReduceOp.SUM and data.direct(tensor):
             post = lambda: [comm.Iallreduce(data.IN_PLACE, data.typed(tensor), data.MPI_SUM)]  # noqa: E731
             return self._start(comm, Planned("all_reduce", tensor.numel(), tensor.dtype, reduction_code(op), post,
                                              tensors), opts)

@@ -52,6 +52,24 @@ def typed(tensor: torch.Tensor, count: int | None = None) -> list:
             DATATYPES[tensor.dtype]]
 
 
+_SUMMABLE: dict = {}  # (address, bytes, dtype) -> typed()'s buffer spec (it holds nothing but those), or None
+SUMMABLE_KEPT = 512
+
+
+def summable(tensor: torch.Tensor) -> list | None:
+    """typed(tensor) where MPI can sum a contiguous `tensor` where it lies (a dtype MPI reduces), else None; made
+    once per memory and dtype: a training loop sums the same tensors (gradients, buckets) over and over, and making
+    an MPI buffer object costs about as much as the rest of a small call's checks."""
+    key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype)
+    try:
+        return _SUMMABLE[key]
+    except KeyError:
+        if len(_SUMMABLE) >= SUMMABLE_KEPT:
+            _SUMMABLE.clear()
+        spec = _SUMMABLE[key] = typed(tensor) if direct(tensor) else None
+        return spec
+
+
 def direct(tensor: torch.Tensor) -> bool:
     """Whether MPI can reduce this tensor where it lies (contiguous, a dtype MPI reduces)."""
     return tensor.is_contiguous() and tensor.dtype in DATATYPES and tensor.dtype != torch.bool

@@ -12,6 +12,7 @@ it, so a plain `dist.all_reduce` pays no thread, lock or future.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nbdist.backend.ranks.waiting import NAP_SECONDS, poll, test_all
+from nbdist.backend.ranks.waiting import NAP_SECONDS, TRANSFER_SECONDS, poll, test_all
 from nbdist.errors import DistUsageError
 
 _in_flight: set = set()  # works not yet complete: torch's C++ side may hold a work whose Python object would
@@ -28,13 +29,14 @@ CALLBACK_THREADS = 32  # futures' callbacks run on up to this many threads: a ca
 
 
 def complete_now(group, op: str, requests: list, finish: Callable | None, buffers: tuple,
-                 seconds: float | None = None, also: list = ()) -> MpiWork:
+                 seconds: float | None = None, also: list = (), transfer: bool = False) -> MpiWork:
     """Complete an operation before returning, for callers that only wait on the Work they get back (torch's
     `dist.*` functions without `async_op`, which say so in `opts.asyncOp`): no Work is made for it, which saves a
-    third of the backend's own time per small call. Returns one shared, completed Work."""
+    third of the backend's own time per small call. Returns one shared, completed Work. `transfer`: every rank is
+    known to be in the operation (waiting.poll)."""
     seconds = group.timeout_seconds if seconds is None else seconds
     try:
-        ok = poll(requests, seconds, group.where(op))
+        ok = poll(requests, seconds, group.where(op), transfer)
     except BaseException:  # interrupted: the operation is given up (with `also`, posted beside it), out of step
         group.abandon(op, requests + list(also), buffers)
         raise
@@ -43,7 +45,7 @@ def complete_now(group, op: str, requests: list, finish: Callable | None, buffer
         raise group.timeout_error(op, seconds)
     if finish is not None:
         finish()
-    return _done()
+    return done()
 
 
 class MpiWork(dist.Work):
@@ -58,6 +60,7 @@ class MpiWork(dist.Work):
         """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first."""
         super().__init__()
         self._agreement = agreement
+        self._agreed = False  # its agreement came back: every rank is in it (waiting.poll's `transfer`)
         if requests:
             _in_flight.add(self)  # alive until complete, whoever holds it: MPI writes into its buffers until then
         self._seconds = seconds if seconds is not None else (group.timeout_seconds if group is not None else 0.0)
@@ -85,7 +88,7 @@ class MpiWork(dist.Work):
                 raise self._group.timeout_error(self._op, seconds)
             return self._raise_if_failed()
         try:
-            ok = poll(self._requests, seconds, self._group.where(self._op))
+            ok = poll(self._requests, seconds, self._group.where(self._op), self._agreed)
         except BaseException:  # an interrupt (or any error) between tests: this operation is given up
             self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
             raise
@@ -159,7 +162,7 @@ class MpiWork(dist.Work):
     def _check_agreement(self, settle: Callable[[Callable], None] | None = None) -> None:
         """The agreement is in: a disagreement fails the work (every rank raises the same line)."""
         agreement, plan = self._agreement
-        self._agreement = None
+        self._agreement, self._agreed, self._agreed_at = None, True, time.monotonic()
         try:
             self._group.refuse_disagreement(agreement, plan, self._requests)
         except DistUsageError as error:
@@ -248,7 +251,18 @@ class _Progress:
             with self._lock:
                 self._pending = [entry for entry in self._pending if entry not in finished]
             if len(finished) < len(pending):
-                time.sleep(NAP_SECONDS / 4)
+                self._pause(entry[0] for entry in pending if entry not in finished)
+
+    @staticmethod
+    def _pause(unfinished) -> None:
+        """Between passes: a yield while a transfer is under way (an agreed work younger than TRANSFER_SECONDS:
+        MPICH moves shared-memory data only inside a test, so a nap stalls every rank's copy; seen as DDP's
+        buckets completing slower than the same all-reduce waited for in the hook), else a short nap."""
+        now = time.monotonic()
+        if any(work._agreed and now - work._agreed_at < TRANSFER_SECONDS for work in unfinished):
+            os.sched_yield()
+        else:
+            time.sleep(NAP_SECONDS / 4)
 
     def _settle(self, work: MpiWork, deadline: float) -> bool:
         try:
@@ -293,7 +307,7 @@ def _progress() -> _Progress:
 _DONE: list[MpiWork] = []
 
 
-def _done() -> MpiWork:
+def done() -> MpiWork:
     """The one completed Work that synchronous calls return (torch's dist.* functions only wait on it)."""
     if not _DONE:
         work = MpiWork(None, "done", [], [], None, ())
