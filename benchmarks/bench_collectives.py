@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Does nbdist's collectives benchmark measure what a plain torch.distributed timing loop measures (0.95x at least)?
 
-What is measured (2 MPI engines from `nbdist.start(2)`, torch.distributed/gloo initialised by nbdist):
+What is measured (2 MPI engines from `nbdist.start(2)`, torch.distributed initialised by nbdist on its CPU default,
+the mpi4py backend; the rows name it):
 
 1. all-reduce busbw at each size (default 1 KiB, 4 KiB, ..., 64 MiB): `nbdist.collectives.benchmark(ops=
    ("all_reduce",), via=("torch",), sizes=(S,))` against a minimal hand-written script run on the engines: a
@@ -80,7 +81,8 @@ def measure_against_plain(cluster: nbdist.Cluster, sizes: list[int], repeats: in
                     plain[size].append(plain_busbw(cluster, size, iters[size]))
         log(f"  repetition {rep + 1}/{repeats}: nbdist/plain busbw per size "
             + " ".join(f"{ours[s][-1] / plain[s][-1]:.2f}" for s in sizes))
-    rows = [Measure(f"all_reduce {format_bytes(size)} busbw, via torch (gloo)", "GB/s", ours[size], plain[size],
+    backend = cluster.run(lambda: __import__("torch.distributed").distributed.get_backend())[0]
+    rows = [Measure(f"all_reduce {format_bytes(size)} busbw, via torch ({backend})", "GB/s", ours[size], plain[size],
                     "ratio>=", RATIO_TARGET, counts=False, anchor_name="plain loop",
                     notes={"plain_iters": iters[size]}) for size in sizes]
     medians = [statistics.median(m.per_repetition) for m in rows]

@@ -63,7 +63,7 @@ def measures_for(n: int, sizes: list[int], gloo: dict, mpi: dict, raw: dict) -> 
     return rows
 
 
-def small_call_breakdown(cluster, n: int, repeats: int, calls: int = 20000) -> str:
+def small_call_breakdown(cluster, n: int, repeats: int, calls: int = 5000) -> str:
     """Where a 1 KiB all-reduce's time goes, from one timing loop per piece on the ranks (on_ranks.small_call_costs,
     medians over `repeats`, rank 0's view): what bounds the MPI backend against raw mpi4py at small sizes."""
     runs = [cluster.run(on_ranks.small_call_costs, 1024, calls, timeout=300)[0] for _ in range(repeats)]

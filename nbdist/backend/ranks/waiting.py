@@ -15,7 +15,8 @@ ranks on a host than cores it yields after every test from the start: measured w
 `Iallreduce` polled without yielding took 15.9 ms, with a yield after each test 113 us (blocking: 103 us).
 
 Two refinements, both measured: the all-reduce hot path (mpi_backend._sum_now) first spins on its two requests
-for QUICK_TESTS tests with no clock read (a 1 KiB call between ready ranks ends there); and a wait known to be a
+for QUICK_TESTS tests with no clock read (calls up to ~1 MiB between ready ranks end there: each full poll costs a
+call ~1-2 us more); and a wait known to be a
 transfer (the operation's agreement came back, so every rank is in it) never naps for TRANSFER_SECONDS, because
 MPICH moves shared-memory data only inside a test (a 64 MiB all-reduce on 2 ranks ran at 0.77x raw MPI while it
 napped after 5 ms; DDP's buckets, completed by the progress thread, 772 -> 848 samples/s, 1024x10 MLP, 2 ranks).
@@ -53,7 +54,7 @@ def _oversubscribed() -> bool:
 OVERSUBSCRIBED = _oversubscribed()  # then every spin yields: a spinning rank holds the core its peer needs
 
 
-QUICK_TESTS = 1 if OVERSUBSCRIBED else 64  # the hot path's spin before the full poll (tens of microseconds)
+QUICK_TESTS = 1 if OVERSUBSCRIBED else 1024  # the hot path's spin before the full poll (up to ~1 ms, no clock)
 
 
 def quickly_complete(first, second) -> bool:
