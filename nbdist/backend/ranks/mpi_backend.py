@@ -207,12 +207,12 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         request = comm.Iallreduce(data.IN_PLACE, spec, data.MPI_SUM)
         try:
             quick = quickly_complete(agreed, request)
-        except BaseException:  # interrupted: both are given up, the group is out of step
-            self.abandon("all_reduce", [agreed, request], ())
+        except BaseException:  # interrupted: both are given up (what MPI may still write kept alive), out of step
+            self.abandon("all_reduce", [agreed, request], (tensor, *sums.buffers))
             raise
         if not quick:
-            op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
-            complete_now(self, op, [agreed], None, (), seconds, also=[request])  # first: disagreeing ranks may
+            op, seconds, kept = f"all_reduce #{self.calls}", self.seconds(opts), (tensor, *sums.buffers)
+            complete_now(self, op, [agreed], None, kept, seconds, also=[request])  # first: disagreeing ranks may
         if not sums.agreed():                                                  # never complete the data
             agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=sums.buffers,
                                   request=agreed)
@@ -220,7 +220,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
             self.refuse_disagreement(agreement, plan, [request])
         if quick:
             return done()
-        return complete_now(self, f"all_reduce #{self.calls}", [request], None, (), self.seconds(opts),
+        return complete_now(self, f"all_reduce #{self.calls}", [request], None, (tensor,), self.seconds(opts),
                             transfer=True)
 
     def where(self, op: str) -> str:
