@@ -32,6 +32,7 @@ from bench_mpi_backend import busbw
 from common import Measure, Run
 from workloads import parse_size
 
+from nbdist.cluster.options import find_mpiexec
 from nbdist.units import format_bytes
 
 DEFAULT_SIZES = "1K,64K,1M,4M,16M"
@@ -53,19 +54,13 @@ while True:
 """
 
 
-def mpiexec() -> str:
-    """The mpich wheel's mpiexec beside this Python (as nbdist finds it), else the one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else "mpiexec"
-
-
 @contextmanager
 def neighbour(run: Run):
     """Another job's MPI ranks all-reducing in a loop, one per core, for the block's duration. Its own session, so
     that it can be ended whole; its processes are tracked by the run (the end checks that none is left)."""
     cores = len(os.sched_getaffinity(0))
-    proc = subprocess.Popen([mpiexec(), "-n", str(cores), sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    command = [find_mpiexec() or "mpiexec", "-n", str(cores), sys.executable, "-c", NEIGHBOUR]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_until_up(proc, cores)
         run.track([psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from nbdist.cluster.options import find_mpiexec
 
 pytestmark = pytest.mark.cluster
 
@@ -45,8 +46,7 @@ MIN_GLOO_PASSED = 75  # measured: 84
 
 
 def _mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    found = find_mpiexec()
     if found is None:
         pytest.fail("no mpiexec beside the Python executable or on PATH: this test runs torch's tests under MPI",
                     pytrace=False)

@@ -179,8 +179,8 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         """Post the call's agreement (mpi_agree.py) and, right behind it, its data; whoever waits looks at the
         agreement first. Posted together, both are in flight at once instead of one after the other; MPI never
         writes past a buffer's count, so a disagreement costs no memory, only the data's result, which is then
-        refused. A caller that waits anyway (`opts.asyncOp`
-        false: torch's dist.* without async_op) gets it done before returning."""
+        refused. A caller that waits anyway (`opts.asyncOp` false: torch's dist.* without async_op) gets it done
+        before returning."""
         seconds = self.seconds(opts)
         self.calls += 1
         op = f"{plan.call} #{self.calls}"  # named so in errors and in the roll call: "all_reduce #12"
@@ -210,18 +210,17 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         except BaseException:  # interrupted: both are given up (what MPI may still write kept alive), out of step
             self.abandon("all_reduce", [agreed, request], (tensor, *sums.buffers))
             raise
-        if not quick:
-            op, seconds, kept = f"all_reduce #{self.calls}", self.seconds(opts), (tensor, *sums.buffers)
-            complete_now(self, op, [agreed], None, kept, seconds, also=[request])  # first: disagreeing ranks may
-        if not sums.agreed():                                                  # never complete the data
+        if not quick:  # first the agreement: ranks that disagree may never complete the data
+            op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
+            complete_now(self, op, [agreed], None, (tensor, *sums.buffers), seconds, also=[request])
+        if not sums.agreed():
             agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=sums.buffers,
                                   request=agreed)
             plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
             self.refuse_disagreement(agreement, plan, [request])
         if quick:
             return done()
-        return complete_now(self, f"all_reduce #{self.calls}", [request], None, (tensor,), self.seconds(opts),
-                            transfer=True)
+        return complete_now(self, op, [request], None, (tensor,), seconds, transfer=True)
 
     def where(self, op: str) -> str:
         """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""

@@ -60,7 +60,7 @@ class MpiWork(dist.Work):
         """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first."""
         super().__init__()
         self._agreement = agreement
-        self._agreed = False  # its agreement came back: every rank is in it (waiting.poll's `transfer`)
+        self._agreed_at: float | None = None  # when its agreement came back: every rank is in it from then on
         if requests:
             _in_flight.add(self)  # alive until complete, whoever holds it: MPI writes into its buffers until then
         self._seconds = seconds if seconds is not None else (group.timeout_seconds if group is not None else 0.0)
@@ -88,7 +88,7 @@ class MpiWork(dist.Work):
                 raise self._group.timeout_error(self._op, seconds)
             return self._raise_if_failed()
         try:
-            ok = poll(self._requests, seconds, self._group.where(self._op), self._agreed)
+            ok = poll(self._requests, seconds, self._group.where(self._op), self._agreed_at is not None)
         except BaseException:  # an interrupt (or any error) between tests: this operation is given up
             self._fail(RuntimeError(f"mpi4py {self._op} was interrupted before it completed"))
             raise
@@ -162,7 +162,7 @@ class MpiWork(dist.Work):
     def _check_agreement(self, settle: Callable[[Callable], None] | None = None) -> None:
         """The agreement is in: a disagreement fails the work (every rank raises the same line)."""
         agreement, plan = self._agreement
-        self._agreement, self._agreed, self._agreed_at = None, True, time.monotonic()
+        self._agreement, self._agreed_at = None, time.monotonic()
         try:
             self._group.refuse_disagreement(agreement, plan, self._requests)
         except DistUsageError as error:
@@ -259,7 +259,7 @@ class _Progress:
         MPICH moves shared-memory data only inside a test, so a nap stalls every rank's copy; seen as DDP's
         buckets completing slower than the same all-reduce waited for in the hook), else a short nap."""
         now = time.monotonic()
-        if any(work._agreed and now - work._agreed_at < TRANSFER_SECONDS for work in unfinished):
+        if any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS for work in unfinished):
             os.sched_yield()
         else:
             time.sleep(NAP_SECONDS / 4)

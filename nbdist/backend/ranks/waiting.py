@@ -16,8 +16,8 @@ ranks on a host than cores it yields after every test from the start: measured w
 
 Two refinements, both measured: the all-reduce hot path (mpi_backend._sum_now) first spins on its two requests
 for QUICK_TESTS tests with no clock read (calls up to ~1 MiB between ready ranks end there: each full poll costs a
-call ~1-2 us more); and a wait known to be a
-transfer (the operation's agreement came back, so every rank is in it) never naps for TRANSFER_SECONDS, because
+call ~1-2 us more); and a wait known to be a transfer (the operation's agreement came back, so every rank is in
+it) never naps for TRANSFER_SECONDS, because
 MPICH moves shared-memory data only inside a test (a 64 MiB all-reduce on 2 ranks ran at 0.77x raw MPI while it
 napped after 5 ms; DDP's buckets, completed by the progress thread, 772 -> 848 samples/s, 1024x10 MLP, 2 ranks).
 
