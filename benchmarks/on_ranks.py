@@ -368,3 +368,14 @@ def small_call_costs(nbytes: int, k: int) -> dict:
             call()
         out[name] = (time.perf_counter() - started) / k * 1e6
     return out
+
+
+# -- the flight recorder: on or off ---------------------------------------------------------------------------------
+
+
+def set_recording(on: bool) -> bool:
+    """Turn this rank's flight recorder on or off (nbdist/debugging/ranks/recorder.py); returns what it was."""
+    from nbdist.debugging.ranks import recorder
+
+    was, recorder.on = recorder.on, on
+    return was

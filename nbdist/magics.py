@@ -155,6 +155,24 @@ class DistMagics(Magics):
             seconds(args.timeout, "--timeout")
         clusters.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
 
+    @magic_arguments()
+    @argument("--last", action="store_true", help="the view made when a cell last timed out or was interrupted")
+    @argument("--stacks", action="store_true", help="also every rank's Python stack (innermost last)")
+    @line_magic
+    @_usage_errors
+    def dist_why(self, line: str) -> None:
+        """What every rank does now and why the ranks wait: the call each waits in, the rank that never reached
+        it and what that rank does instead (each rank's flight recorder and stack)."""
+        args = _parsed(self.dist_why, line)
+        cluster = clusters.current()
+        view = cluster.last_why if args.last else cluster.why()
+        if view is None:
+            raise DistUsageError("no cell has timed out or been interrupted on this cluster yet: %dist_why without "
+                                 "--last asks the ranks now")
+        display(view)
+        if args.stacks:
+            print(view.stacks(list(view.ranks)))
+
     @line_magic
     @_usage_errors
     def dist_traceback(self, line: str) -> None:

@@ -245,9 +245,11 @@ def _lifeline_links(engine: psutil.Process, port: int) -> int:
     return sum(1 for c in connected if c.raddr.port == port)
 
 
-def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int]]:
-    """Start a real 2-engine cluster, return its lifeline port and each engine's connections to it; stop it."""
+def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int], int]:
+    """Start a real 2-engine cluster, return its lifeline port, each engine's connections to it (its lifeline, if it
+    holds one, and its inspector's line: cluster/ranks/inspector.py) and how many lifelines the server holds; stop it."""
     import nbdist
+    from nbdist.cluster import launch
     from nbdist.cluster.lifeline import ADDRESS_ENV
 
     threads = _lifeline_threads()
@@ -257,19 +259,21 @@ def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int]]:
         port = int(engines[0].environ()[ADDRESS_ENV].rpartition(":")[2])
         assert port in _listening_ports() and _lifeline_threads() == threads + 1
         links = [_lifeline_links(e, port) for e in engines]
+        held = launch.lifeline_of(c._launched.cluster).held()
     assert _lifeline_threads() == threads and port not in _listening_ports()  # stop closed the server
-    return port, links
+    return port, links, held
 
 
 def test_a_single_host_cluster_serves_a_lifeline_no_engine_needs_and_stop_closes_it():
-    _, links = _run_cluster(())
-    assert links == [0, 0]  # on the kernel's host the engines watch its pid
+    _, links, held = _run_cluster(())
+    assert held == 0  # on the kernel's host the engines watch its pid
+    assert links == [1, 1]  # each engine's inspector line only
 
 
 def test_engines_that_believe_they_are_elsewhere_hold_the_kernels_lifeline():
     """The whole wiring of the remote path on one machine: mpiexec gives the ranks another kernel host name."""
-    _, links = _run_cluster(("-genv", "NBDIST_KERNEL_HOST", "kernel-elsewhere"))
-    assert links == [1, 1]
+    _, links, held = _run_cluster(("-genv", "NBDIST_KERNEL_HOST", "kernel-elsewhere"))
+    assert held == 2 and links == [2, 2]  # a lifeline and an inspector line each
 
 
 def test_sigkill_of_a_kernel_elsewhere_ends_its_engines(tmp_path):

@@ -1,5 +1,6 @@
 """The magics, driven through a real IPython kernel exactly as a notebook would."""
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -123,7 +124,12 @@ def test_kernel_interrupt_stops_the_cell_on_all_ranks(started):
     shown = result.shown
     # each rank's own frame, the line it was running: said once for both, as both were stopped there
     assert "[ranks 0, 1] ----> 2 time.sleep(60)" in shown and "[ranks 0, 1] KeyboardInterrupt" in shown
-    one_line = "KeyboardInterrupt: interrupted; nbdist interrupted rank(s) 0, 1, which then stopped"
+    # where they were (the hang view's sentence), then what nbdist did
+    one_line = ("KeyboardInterrupt: interrupted: ranks 0, 1 run cell In[{}]:2 in <module>, outside any communication "
+                "call; nbdist interrupted rank(s) 0, 1, which then stopped")
+    cell = re.search(r"run cell In\[(\d+)\]", shown)
+    assert cell is not None, shown
+    one_line = one_line.format(cell.group(1))
     assert nbdist_lines(shown) == [one_line]
     assert internals(shown) == []
     assert started.execute(ALL_REDUCE_CELL).stdout == "[rank 0] tensor([3., 3.])\n"

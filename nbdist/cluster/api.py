@@ -38,6 +38,7 @@ _current: "Cluster | None" = None
 _starting = threading.RLock()  # nbdist.start() and nbdist.stop() one at a time: one current cluster per kernel
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
 _generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
+WHY_SECONDS = 1.5  # how long Cluster.why waits for the ranks' reports
 GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
 
 
@@ -64,6 +65,7 @@ class Cluster:
         self.meshes: dict[str, Mesh] = {}  # the meshes built on these engines, by name (Cluster.mesh)
         self._ended = False  # an engine died, which ended the MPI job: restart before use
         self._reserved: tuple | None = None  # (thread, what): a background run owns the engines until it ends
+        self.last_why = None  # the last hang view (Cluster.why: asked, or made when a cell timed out)
 
     # -- life cycle -----------------------------------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class Cluster:
             death=self._death_watch().check,
             after_death=self._after_death,
             signal_rank=self.signal_rank,
+            why=self.why,
         )
 
     def _keep_output(self, rank: int, stream: str, text: str) -> str | None:
@@ -332,6 +335,23 @@ class Cluster:
         rows = self.run(boot.info)
         self._info = rows
         return Status(rows, self.startup_seconds, self.holdings())
+
+    def why(self, timeout: float = WHY_SECONDS):
+        """What every rank is doing now and why the ranks wait (debugging/hang.py): each rank's flight recorder and
+        main stack, read by a thread of its own, so a rank stuck in a collective or a loop still answers. Works while
+        a cell runs (from another thread, or as the kernel's timeout or interrupt does) and between cells; a rank
+        that does not answer within `timeout` seconds is said to be silent."""
+        from nbdist.debugging.hang import explain
+
+        launched = self._launched  # not _require_running: a background run holding the engines is why one asks
+        if launched is None or self._ended:
+            self._require_running()  # says why not, in one line
+        server = launch.lifeline_of(launched.cluster)
+        processes = {row["rank"]: (row["host"], row["pid"]) for row in self._info}
+        reports = server.inspect(list(processes.values()), timeout) if server is not None else {}
+        view = explain({rank: reports.get(process) for rank, process in processes.items()})
+        self.last_why = view
+        return view
 
     def holdings(self) -> list[dict]:
         """What every rank keeps between calls (pipelines, meshes, groups...: the engine registry), with the bytes

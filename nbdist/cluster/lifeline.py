@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 WATCH_ENV = "NBDIST_KERNEL_PID"
 HOST_ENV = "NBDIST_KERNEL_HOST"  # the kernel's host name (socket.gethostname())
@@ -159,20 +159,26 @@ def _exit_when_closed(address: str, token: str, pid: int | None) -> None:
     """Hold the lifeline until the server closes it; each line the server sends is a signal's number, raised in
     this process (the kernel interrupting a rank on another host, or asking it to stop)."""
     sock = _connect(address, token)
+    for line in lines_from(sock):
+        if line.startswith(b"{"):
+            _engine_connection.append(line.decode())
+            _engine_connection_came.set()
+        elif line.strip().isdigit():
+            os.kill(os.getpid(), int(line))
+    _end(pid, on_kernel_host=False)
+
+
+def lines_from(sock: socket.socket) -> Iterator[bytes]:
+    """Each line the other end sends, until it closes the connection (or the connection fails)."""
     pending = b""
     try:
         while data := sock.recv(4096):
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                if line.startswith(b"{"):
-                    _engine_connection.append(line.decode())
-                    _engine_connection_came.set()
-                elif line.strip().isdigit():
-                    os.kill(os.getpid(), int(line))
+                yield line
     except OSError:
-        pass
-    _end(pid, on_kernel_host=False)
+        return
 
 
 def engine_connection_info(timeout: float) -> str | None:

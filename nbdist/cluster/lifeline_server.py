@@ -67,8 +67,12 @@ class LifelineServer:
         self._held: set[socket.socket] = set()
         self._by_process: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that process's lifeline
         self._lost: set[tuple[str, int]] = set()  # processes whose lifeline ended while the server ran
+        self._inspectors: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that engine's inspector line
+        self._heard_from: dict[socket.socket, bytes] = {}  # an inspector line -> what it sent, not yet a whole line
+        self._reports: dict[tuple[str, int], bytes] = {}  # (host, pid) -> its last report (a JSON line)
         self._engine_connection = b""  # the line every lifeline gets, once published: the controller's JSON
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)
         self._closing = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name=THREAD_NAME)
         self._thread.start()
@@ -125,6 +129,24 @@ class LifelineServer:
         with self._lock:
             return set(self._lost)
 
+    def inspect(self, processes: list[tuple[str, int]], timeout: float) -> dict[tuple[str, int], dict | None]:
+        """Ask each engine (host, pid) what it is doing (cluster/ranks/inspector.py answers from a thread of its
+        own); its report as a dict, or None when it has no inspector line or did not answer within `timeout`."""
+        with self._lock:
+            lines = {process: self._inspectors.get(process) for process in processes}
+            for process in processes:
+                self._reports.pop(process, None)
+        for conn in lines.values():
+            if conn is not None:
+                _send(conn, b"why\n")
+        deadline = time.monotonic() + timeout
+        asked = [process for process, conn in lines.items() if conn is not None]
+        with self._reported:
+            while any(p not in self._reports for p in asked) and (left := deadline - time.monotonic()) > 0:
+                self._reported.wait(left)
+            reports = {process: self._reports.pop(process, None) for process in processes}
+        return {process: _parsed(line) for process, line in reports.items()}
+
     @property
     def serving(self) -> bool:
         return self._thread.is_alive()
@@ -171,7 +193,21 @@ class LifelineServer:
             self._drop(selector, sock)
         elif sock in self._pending:
             self._heard(selector, sock, data)
+        elif sock in self._heard_from:
+            self._reading_report(sock, data)
         # a held lifeline has nothing to say; anything it sends is ignored
+
+    def _reading_report(self, conn: socket.socket, data: bytes) -> None:
+        """An inspector's answer arrives, possibly in parts; a whole line is its report."""
+        with self._reported:
+            said = self._heard_from.get(conn, b"") + data
+            *lines, rest = said.split(b"\n")
+            self._heard_from[conn] = rest
+            if lines:
+                process = next((p for p, c in self._inspectors.items() if c is conn), None)
+                if process is not None:
+                    self._reports[process] = lines[-1]
+                    self._reported.notify_all()
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         try:
@@ -206,10 +242,15 @@ class LifelineServer:
         except OSError:
             self._drop(selector, conn)
             return
+        host, pid, *what = who.decode(errors="replace").split(" ") + [""]  # "host pid" or "host pid inspect rank"
         with self._lock:
             del self._pending[conn]
+            if what[:1] == ["inspect"]:  # an engine's inspector (cluster/ranks/inspector.py), not a lifeline
+                if pid.isdigit():
+                    self._inspectors[(host, int(pid))] = conn
+                self._heard_from[conn] = b""
+                return
             self._held.add(conn)
-            host, _, pid = who.decode(errors="replace").partition(" ")
             if pid.isdigit():
                 self._by_process[(host, int(pid))] = conn
             published = self._engine_connection
@@ -228,6 +269,9 @@ class LifelineServer:
         with self._lock:
             self._pending.pop(conn, None)
             self._held.discard(conn)
+            self._heard_from.pop(conn, None)
+            for key in [k for k, held in self._inspectors.items() if held is conn]:
+                del self._inspectors[key]
             for key in [k for k, held in self._by_process.items() if held is conn]:
                 del self._by_process[key]
                 if not self._closing:
@@ -240,9 +284,11 @@ class LifelineServer:
 
     def _close_all(self, selector: selectors.BaseSelector) -> None:
         with self._lock:
-            conns = list(self._pending) + list(self._held)
+            conns = list(self._pending) + list(self._held) + list(self._heard_from)
             self._pending.clear()
             self._held.clear()
+            self._heard_from.clear()
+            self._inspectors.clear()
             self._by_process.clear()
         for sock in conns + [self._listener, self._wake_read, self._wake_write]:
             sock.close()
@@ -256,6 +302,13 @@ def _send(conn: socket.socket, line: bytes) -> None:
         conn.sendall(line)
     except OSError:
         pass
+
+
+def _parsed(line: bytes | None) -> dict | None:
+    try:
+        return json.loads(line) if line else None
+    except ValueError:
+        return None
 
 
 def serve(host: str) -> LifelineServer:

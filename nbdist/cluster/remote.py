@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 from nbdist.cluster.deaths import unreachable_line
@@ -162,6 +162,7 @@ class Waiter:
     after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
     death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
     after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
+    why: Callable[[], object] | None = None  # the hang view (Cluster.why): asked before stuck ranks are freed
     _restarted: bool = False
 
     def wait(self) -> list:
@@ -187,10 +188,13 @@ class Waiter:
                     action = self._free_stuck()
                     break
                 if self.timeout is not None and time.monotonic() - started > self.timeout:
-                    reason, action = f"timed out after {self.timeout:g} s", self._free_stuck()
+                    reason = self._why(f"timed out after {self.timeout:g} s")
+                    action = self._free_stuck()
                     break
         except KeyboardInterrupt:
-            self._raise_failures("interrupted", self._back_in_step(self._free_stuck()), DistInterrupt)
+            with _interrupts_deferred():
+                reason = self._why("interrupted")
+            self._raise_failures(reason, self._back_in_step(self._free_stuck()), DistInterrupt)
         if action is None and any(_engine_died(e) for e in self._failed_ranks().values()):
             # every rank's result came back (as EngineError) before the launcher noticed the job had ended
             reason, action = self._death() or DIED, self._after_death()
@@ -199,6 +203,19 @@ class Waiter:
             action = self._back_in_step(action)
         self._raise_failures(reason, action)
         return [child.result() for _, child in self._children()]
+
+    def _why(self, reason: str) -> str:
+        """Before stuck ranks are freed, ask what they wait in (the hang view, shown in the cell); its sentence
+        joins `reason`. Nothing is asked when no rank is still running or nothing can ask."""
+        if self.why is None or not self._pending_ranks():
+            return reason
+        try:
+            view = self.why()
+        except Exception as e:  # the view must never hide the failure it explains
+            return f"{reason} (the hang view failed: {type(e).__name__}: {e})"
+        self._relay()
+        _show(replace(view, sentence=""))  # the table; the sentence is said once, in the error's line
+        return f"{reason}: {view.sentence}" if view.sentence else reason
 
     def _death(self) -> str | None:
         """A line naming the rank that died, as soon as its process is gone (the launcher notices seconds later)."""
@@ -309,6 +326,21 @@ class Waiter:
         elif interrupted:
             parts.append(f"rank(s) {_ranks_text(interrupted)} interrupted")
         raise kind("; ".join(parts))
+
+
+def _show(view) -> None:
+    """The hang view in the cell: its table (HTML in a notebook, text elsewhere)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if get_ipython() is not None:
+            display(view)
+            return
+    except ImportError:
+        pass
+    sys.stderr.write(str(view) + "\n")
+    sys.stderr.flush()
 
 
 def _engine_died(error: BaseException) -> bool:

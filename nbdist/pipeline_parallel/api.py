@@ -337,6 +337,14 @@ class Pipeline(GatheredModel):
         ideal.name = f"{self.schedule.name} (ideal)"
         return ideal
 
+    def bubbles(self, timeline: Timeline | None = None):
+        """Where the last step's idle time came from, by rank and cause (warm-up / cool-down, stage imbalance,
+        transfer, waiting on a late peer, host overhead), and the change that would save the most with its predicted
+        step time (debugging/bubbles.py). `timeline`: another measured step of this pipeline (a Stepper's)."""
+        from nbdist.debugging.bubbles import decompose
+
+        return decompose(timeline if timeline is not None else self.timeline, self.schedule)
+
     def duration_sources(self, current: Timeline | None = None) -> list[Timeline]:
         """The timelines the ideal's medians are taken over: the recent steps, and a step in progress."""
         recent = list(self.recent)

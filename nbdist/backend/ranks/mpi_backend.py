@@ -60,6 +60,11 @@ from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, SumAgreement
 from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
+from nbdist.debugging.ranks import recorder
+from nbdist.debugging.ranks.recorder import clock as _clock
+from nbdist.debugging.ranks.recorder import ends as _ends
+from nbdist.debugging.ranks.recorder import entries as _entries
+from nbdist.debugging.ranks.recorder import numbers as _numbers
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -93,6 +98,7 @@ def renew() -> dict:
             group._agreement_buffers = Agreement.new_buffers(group._n)  # an abandoned all-gather may write the old
             group._sums = SumAgreement(group._n)
             group.generation += 1  # works still pending on the old communicator no longer mark the group
+            group.calls = 0  # numbered afresh on every rank: a rank that gave up earlier than others made fewer
             renewed.append(group.global_ranks)
     return {"renewed": renewed, "broken": broken}
 
@@ -142,6 +148,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         self._n = comm.size
         self.calls = 0  # collectives started on this group: the roll call's sequence numbers
         self._where = f" on the group of ranks {global_ranks}"
+        self.recorded_as = (name, tuple(global_ranks))  # how the flight recorder names it (debugging/ranks/recorder)
         self._agreement_buffers = Agreement.new_buffers(comm.size)  # for calls done before the next begins
         self._sums = SumAgreement(comm.size)  # the hot path's own: its last agreement stays packed for the next
         roll_call.known(self)
@@ -185,15 +192,22 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         self.calls += 1
         op = f"{plan.call} #{self.calls}"  # named so in errors and in the roll call: "all_reduce #12"
         waits = opts is not None and not opts.asyncOp  # the common case: done before returning
-        agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count, plan.outputs,
-                              self._agreement_buffers if waits else None)
-        requests = plan.post()
-        if waits:
+        slot = recorder.begin(self.recorded_as, self.calls, plan.call, None, plan.count, plan.dtype)
+        try:
+            agreement = Agreement(comm, plan.call, plan.count, plan.dtype, plan.detail, plan.same_count,
+                                  plan.outputs, self._agreement_buffers if waits else None)
+            requests = plan.post()
+            if not waits:
+                return MpiWork(self, op, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
+                               agreement=(agreement, plan), slot=slot)
             complete_now(self, op, [agreement.request], None, plan.buffers, seconds, also=requests)
             self.refuse_disagreement(agreement, plan, requests)
-            return complete_now(self, op, requests, plan.finish, plan.buffers, seconds, transfer=True)
-        return MpiWork(self, op, requests, plan.outputs_list, plan.finish, plan.buffers, seconds,
-                       agreement=(agreement, plan))
+            work = complete_now(self, op, requests, plan.finish, plan.buffers, seconds, transfer=True)
+        except BaseException:
+            recorder.failed(slot)
+            raise
+        recorder.end(slot)
+        return work
 
     def _sum_now(self, comm, tensor, spec: list, opts) -> MpiWork:
         """The hot path, a waited-for all_reduce SUM of a contiguous CPU tensor: what _start does, without the
@@ -202,25 +216,43 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         so a short spin here ends most calls; a longer wait goes through complete_now (interruptible, timed).
         `spec`: the tensor as an MPI buffer (mpi_data.summable)."""
         self.calls += 1
-        sums = self._sums
-        agreed = sums.post(comm, tensor.numel(), tensor.dtype)
+        sums, numel = self._sums, tensor.numel()
+        slot = None
+        if recorder.on:  # the flight recorder's begin, written out: this path is the one that must stay cheap
+            number = next(_numbers)
+            slot = number & recorder.MASK
+            _entries[slot] = (number, self.recorded_as, self.calls, "all_reduce", None, numel, tensor.dtype, _clock())
+            _ends[slot] = None
+        agreed = sums.post(comm, numel, tensor.dtype)
         request = comm.Iallreduce(data.IN_PLACE, spec, data.MPI_SUM)
         try:
             quick = quickly_complete(agreed, request)
         except BaseException:  # interrupted: both are given up (what MPI may still write kept alive), out of step
             self.abandon("all_reduce", [agreed, request], (tensor, *sums.buffers))
+            recorder.failed(slot)
             raise
-        if not quick:  # first the agreement: ranks that disagree may never complete the data
-            op, seconds = f"all_reduce #{self.calls}", self.seconds(opts)
+        if not quick or not sums.agreed():
+            try:
+                self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)
+            except BaseException:
+                recorder.failed(slot)
+                raise
+        if slot is not None:
+            _ends[slot] = _clock()
+        return done()
+
+    def _sum_slowly(self, comm, tensor, numel: int, agreed, request, quick: bool, opts) -> None:
+        """The rest of _sum_now when its spin did not end the call, or the ranks disagree: wait for the agreement
+        first (ranks that disagree may never complete the data), look at it, then wait for the data."""
+        sums, op, seconds = self._sums, f"all_reduce #{self.calls}", self.seconds(opts)
+        if not quick:
             complete_now(self, op, [agreed], None, (tensor, *sums.buffers), seconds, also=[request])
         if not sums.agreed():
-            agreement = Agreement(comm, "all_reduce", tensor.numel(), tensor.dtype, buffers=sums.buffers,
-                                  request=agreed)
-            plan = Planned("all_reduce", tensor.numel(), tensor.dtype, ANY, None, [tensor])
+            agreement = Agreement(comm, "all_reduce", numel, tensor.dtype, buffers=sums.buffers, request=agreed)
+            plan = Planned("all_reduce", numel, tensor.dtype, ANY, None, [tensor])
             self.refuse_disagreement(agreement, plan, [request])
-        if quick:
-            return done()
-        return complete_now(self, op, [request], None, (tensor,), seconds, transfer=True)
+        if not quick:
+            complete_now(self, op, [request], None, (tensor,), seconds, transfer=True)
 
     def where(self, op: str) -> str:
         """Where a rank waiting in `op` is, as the roll call says it: "all_reduce #12 on the group of ranks [..]"."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks.mpi_agree import ANY, Planned, one_dtype
 from nbdist.backend.ranks.mpi_work import MpiWork
+from nbdist.debugging.ranks import recorder
 
 
 class MovingData:
@@ -117,8 +118,10 @@ class MovingData:
         comm = self._usable("send", tensors)
         (tensor,) = data.single(tensors, "send")
         send = data.contiguous(tensor)
-        return MpiWork(self, f"send to rank {self.global_ranks[dst]}", [comm.Isend(data.raw(send), dst, tag)],
-                       tensors, None, (send,))
+        peer = self.global_ranks[dst]
+        slot = recorder.begin(self.recorded_as, None, "send", peer, tensor.numel(), tensor.dtype)
+        return MpiWork(self, f"send to rank {peer}", [comm.Isend(data.raw(send), dst, tag)], tensors, None, (send,),
+                       slot=slot)
 
     def recv(self, tensors, src: int, tag: int) -> MpiWork:
         return self._receive(tensors, src, tag)
@@ -135,5 +138,7 @@ class MovingData:
         (tensor,) = data.single(tensors, "recv")
         out = data.Output(tensor, copy_in=False)
         request = data.SourcedRequest(comm.Irecv(data.raw(out.work), src, tag))
-        sender = "any rank" if src < 0 else f"rank {self.global_ranks[src]}"
-        return MpiWork(self, f"recv from {sender}", [request], tensors, out.finish, (out.work,))
+        peer = None if src < 0 else self.global_ranks[src]
+        sender = "any rank" if peer is None else f"rank {peer}"
+        slot = recorder.begin(self.recorded_as, None, "recv", peer, tensor.numel(), tensor.dtype)
+        return MpiWork(self, f"recv from {sender}", [request], tensors, out.finish, (out.work,), slot=slot)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nbdist.backend.ranks.waiting import NAP_SECONDS, TRANSFER_SECONDS, poll, test_all
+from nbdist.debugging.ranks import recorder
 from nbdist.errors import DistUsageError
 
 _in_flight: set = set()  # works not yet complete: torch's C++ side may hold a work whose Python object would
@@ -56,9 +57,12 @@ class MpiWork(dist.Work):
     the operation), `get_future().value()` is the list of output tensors."""
 
     def __init__(self, group, op: str, requests: list, outputs: list[torch.Tensor], finish: Callable | None,
-                 buffers: tuple, seconds: float | None = None, agreement: tuple | None = None):
-        """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first."""
+                 buffers: tuple, seconds: float | None = None, agreement: tuple | None = None,
+                 slot: int | None = None):
+        """`agreement`: (Agreement, plan) of a collective, posted just before its data: looked at first. `slot`:
+        the operation's entry in the flight recorder, marked when it completes or fails."""
         super().__init__()
+        self._slot = slot
         self._agreement = agreement
         self._agreed_at: float | None = None  # when its agreement came back: every rank is in it from then on
         if requests:
@@ -177,6 +181,9 @@ class MpiWork(dist.Work):
         `settle` when given (the progress thread hands it to a callback thread: see _Progress)."""
         if ok and self._finish is not None:
             self._finish()
+        if self._slot is not None:
+            (recorder.end if ok and self._error is None else recorder.failed)(self._slot)
+            self._slot = None
         self._done, self._requests, self._finish, self._buffers = True, [], None, ()
         _in_flight.discard(self)
         if self._future is not None and not self._future.done():

@@ -194,6 +194,9 @@ def boot() -> RankInfo:
     timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
     store = _rendezvous_store(comm, single_host, timeout)
     backend = _init_process_group(binding, store, comm.rank, comm.size, timeout)
+    from nbdist.cluster.ranks import inspector
+
+    inspector.start(comm.rank)  # a thread that says what this rank is doing when the notebook asks (%dist_why)
     return registry.put(registry.RANK, "boot", RankInfo(
         rank=comm.rank,
         world_size=comm.size,

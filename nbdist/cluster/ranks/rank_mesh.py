@@ -78,6 +78,10 @@ def build(mesh: Mesh) -> str | None:
     everyone = MPI.COMM_WORLD.Split(0 if inside else MPI.UNDEFINED, info.rank)
     if not inside:
         return None
+    for dim in mesh.names:  # the flight recorder names the groups of the MPI backend by their dimension
+        group = device_mesh.get_group(dim)
+        if hasattr(group, "recorded_as") and group is not torch.distributed.group.WORLD:  # (a 1-D mesh's is it)
+            group.recorded_as = (dim, group.recorded_as[1])
     registry.put(KIND, mesh.name, RankMesh(mesh, info.rank, device_mesh, comms, everyone))
     return mesh.name
 

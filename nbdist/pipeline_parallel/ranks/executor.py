@@ -34,6 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nbdist.cluster.ranks.placement import clock_for
+from nbdist.debugging.ranks import recorder
 from nbdist.pipeline_parallel.ranks.clocks import Span
 from nbdist.pipeline_parallel.ranks.transport import Drainer, cancel, message_tag
 from nbdist.pipeline_parallel.spec import StageSpec
@@ -176,6 +177,7 @@ class StageExecutor:
             if publish is not None:
                 publish(state)
         self._post_rounds(math.inf if until_tick is None else until_tick - 1)  # also the ticks this rank idles
+        recorder.doing = None
         self._settle()
         return ran
 
@@ -221,6 +223,8 @@ class StageExecutor:
     # -- actions ----------------------------------------------------------------------------------------------
 
     def _run(self, action: Action) -> None:
+        walk, position = self.state.walk, self.state.position  # the flight recorder notes the tick and the action
+        recorder.doing = ("pipeline tick {}: {}", walk.ticks[position] if walk.ticks else "-", action)
         started = self.clock.mark()
         wait = {
             FORWARD: self._forward,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nbdist.backend.ranks.waiting import poll
+from nbdist.debugging.ranks import recorder
 from nbdist.schedules.actions import RECV_F
 
 TAG_EPOCHS = 64  # MPI: steps before message tags repeat
@@ -68,15 +69,23 @@ class TorchTransport:
 
 
 class _MpiRequest:
-    def __init__(self, request, tensor: torch.Tensor):
+    def __init__(self, request, tensor: torch.Tensor, what: tuple):
         self.request, self.tensor = request, tensor  # keep the buffer alive until the message is complete
+        self.what = what  # (group as the flight recorder names it, "send" or "recv", the peer's world rank)
 
     def wait(self) -> None:
         """Poll rather than block in MPI_Wait, so that an interrupt (a failed peer, the kernel's stop button)
         stops this rank between polls instead of leaving it stuck: the mpi4py backend's poll loop (spin, then yield
         the core, then nap; backend/ranks/waiting.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB
         message (MPICH's rendezvous, which needs both sides polling) then took 103 us one time in two instead of 14."""
-        poll([self.request], math.inf)
+        group, call, peer = self.what
+        slot = recorder.begin(group, None, call, peer, self.tensor.numel(), self.tensor.dtype)  # the wait, recorded
+        try:
+            poll([self.request], math.inf)
+        except BaseException:
+            recorder.failed(slot)
+            raise
+        recorder.end(slot)
 
     def cancel(self) -> None:
         if not self.request.Test():
@@ -95,13 +104,18 @@ class MpiTransport:
 
         self.comm = comm  # the pipeline's communicator: its rank p is pipeline rank p
         self.max_tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        world = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
+        self.world_ranks = [int(r) for r in world]
+        self.recorded_as = ("pipeline", tuple(self.world_ranks))  # its name in the flight recorder
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         tensor = tensor.contiguous()
-        return _MpiRequest(self.comm.Isend(tensor.numpy(), dest=peer, tag=tag), tensor)
+        return _MpiRequest(self.comm.Isend(tensor.numpy(), dest=peer, tag=tag), tensor,
+                           (self.recorded_as, "send", self.world_ranks[peer]))
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return _MpiRequest(self.comm.Irecv(tensor.numpy(), source=peer, tag=tag), tensor)
+        return _MpiRequest(self.comm.Irecv(tensor.numpy(), source=peer, tag=tag), tensor,
+                           (self.recorded_as, "recv", self.world_ranks[peer]))
 
 
 def message_tag(spec, epoch: int, receive, max_tag: int) -> int:

@@ -1,0 +1,1 @@
+"""Debugging on the ranks: the flight recorder every communication call writes into. Runs on the engines."""

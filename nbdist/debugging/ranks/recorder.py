@@ -1,0 +1,104 @@
+"""The flight recorder: every communication call of this rank in a bounded ring (runs ON the engines).
+
+Why: when a cell hangs, the question is "which rank, waiting on what?". MPI cannot say who has not arrived in a
+collective, and a stuck rank cannot be asked through its own busy thread. So each call is written down as it starts
+(group, its sequence number on that group, call, peer, elements, dtype, start time) and marked when it ends; the
+rank's inspector thread (cluster/ranks/inspector.py) reads the ring's tail and the main thread's Python stack on
+request, without the main thread's help, and the notebook compares the ranks (debugging/hang.py).
+
+Always on, so it must cost almost nothing: one tuple into a preallocated list and two clock reads per call, no
+formatting (names, bytes and text are made only when someone reads the ring). Recorded: nbdist's MPI backend for
+torch.distributed (every collective and point-to-point call), the pipeline's MPI transport (waits on sends and
+receives), and what the pipeline executor runs (`doing`: tick and action). torch's own backends (gloo, NCCL) are
+not recorded here; their waits still show in the stack.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+import traceback
+
+SIZE = 512  # calls kept (a power of two: the slot is the call's number masked)
+MASK = SIZE - 1
+TAIL = 12  # calls a report carries
+STACK_LIMIT = 40  # frames of the main thread a report carries (innermost)
+
+clock = time.perf_counter  # one clock for every process of a host, as the pipeline's spans use
+entries: list = [None] * SIZE  # (number, group, seq, call, peer, numel, dtype, start); group: (name, ranks) or None
+ends: list = [None] * SIZE  # end time; None while in flight; FAILED once given up or raised
+FAILED = -1.0
+numbers = itertools.count()  # each call's number (never reset: the ring's slot is the number masked)
+on = True  # whether the call sites record (False: what the recorder's benchmark compares against)
+doing = None  # what this rank's code is doing now, set by long-running walkers: (format, *values), formatted only
+# when read, e.g. ("pipeline tick {}: {}", 7, action)
+
+
+def begin(group, seq, call: str, peer, numel: int, dtype) -> int | None:
+    """Write down a call as it starts; returns its slot for `end` (None when not recording). `group`: (name,
+    global ranks) of its group; `seq`: the call's number on that group (collectives), `peer`: a global rank."""
+    if not on:
+        return None
+    number = next(numbers)
+    slot = number & MASK
+    entries[slot] = (number, group, seq, call, peer, numel, dtype, clock())
+    ends[slot] = None
+    return slot
+
+
+def end(slot: int | None) -> None:
+    """The call in `slot` completed."""
+    if slot is not None:
+        ends[slot] = clock()
+
+
+def failed(slot: int | None) -> None:
+    """The call in `slot` raised, was interrupted or given up."""
+    if slot is not None:
+        ends[slot] = FAILED
+
+
+def clear() -> None:
+    """Forget every call (tests; a user who wants a clean record). In place: call sites hold these lists."""
+    entries[:] = [None] * SIZE
+    ends[:] = [None] * SIZE
+
+
+# -- reading (the inspector thread, on request) ---------------------------------------------------------------------
+
+
+def tail(n: int = TAIL) -> list[dict]:
+    """The last `n` calls, oldest first, as plain data: what the notebook is sent."""
+    recorded = sorted(((entry, ends[slot]) for slot, entry in enumerate(list(entries)) if entry is not None),
+                      key=lambda pair: pair[0][0])
+    return [_as_data(entry, ended) for entry, ended in recorded[-n:]]
+
+
+def _as_data(entry: tuple, ended) -> dict:
+    number, group, seq, call, peer, numel, dtype, start = entry
+    itemsize = getattr(dtype, "itemsize", None)
+    return {
+        "number": number, "group": None if group is None else group[0],
+        "ranks": None if group is None else list(group[1]), "seq": seq, "call": call, "peer": peer,
+        "numel": numel, "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start,
+        "end": None if ended is None or ended == FAILED else ended, "failed": ended == FAILED,
+    }
+
+
+def main_stack(limit: int = STACK_LIMIT) -> list[list]:
+    """The main thread's Python stack now, outermost first: [file, line, function, source line] per frame. Read
+    from another thread: sys._current_frames() needs no help from the thread it looks at."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    frames = traceback.extract_stack(frame, limit=limit)
+    return [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in frames]
+
+
+def report() -> dict:
+    """What the inspector sends when asked: the recorder's tail, what the rank is doing and its main stack."""
+    what = doing
+    return {"now": clock(), "calls": tail(), "doing": None if what is None else str(what[0]).format(*what[1:]),
+            "stack": main_stack()}

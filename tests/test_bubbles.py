@@ -1,0 +1,127 @@
+"""Where a pipeline step's idle time comes from: the breakdown against the simulator (steps it made itself, where the
+answer is known), then on real engines with stages whose times the test sets (each stage sleeps a fixed time per
+micro-batch, so 2 cores are not contended and the stage times are what the test says)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nbdist
+from nbdist.debugging.bubbles import HOST, IMBALANCE, LATE_PEER, SCHEDULE, TRANSFER, decompose
+from nbdist.schedules import build
+from nbdist.schedules.simulate import measured_durations
+
+MS = 1e-3
+
+
+def _measured(schedule, **durations):
+    timeline = schedule.simulate(**durations)
+    timeline.unit = "s"
+    return timeline
+
+
+def _idle(timeline) -> float:
+    return timeline.ranks * timeline.makespan - sum(timeline.busy_time.values())
+
+
+def test_equal_stages_idle_only_in_warm_up_and_cool_down():
+    schedule = build("1f1b", 4, 8)
+    breakdown = decompose(_measured(schedule, forward=MS, backward=2 * MS), schedule)
+    assert breakdown.total() == pytest.approx(_idle(schedule.simulate(forward=MS, backward=2 * MS)))
+    assert breakdown.total(SCHEDULE) == pytest.approx(breakdown.total())
+    assert [breakdown.total(c) for c in (IMBALANCE, HOST, LATE_PEER)] == pytest.approx([0, 0, 0], abs=1e-12)
+    assert breakdown.changes[0].what == "a zero-bubble schedule (zb-h1)"  # fewer bubbles, same work
+
+
+def test_a_slow_stage_is_named_and_its_idle_is_imbalance():
+    schedule = build("1f1b", 4, 8)
+    balanced = _measured(schedule, forward=MS, backward=2 * MS)
+    slow = _measured(schedule, forward=[MS, MS, 2 * MS, MS], backward=[2 * MS, 2 * MS, 4 * MS, 2 * MS])
+    breakdown = decompose(slow, schedule)
+    added = _idle(slow) - _idle(balanced)
+    assert breakdown.total(IMBALANCE) > 0.5 * added
+    assert breakdown.slowest_stage == (2, pytest.approx(1.6))
+    assert breakdown.changes[0].what.startswith("balance the stages (stage 2 takes 1.60x")
+    assert breakdown.changes[0].step < slow.makespan
+    for rank, row in breakdown.idle.items():  # each rank's bar is its measured idle time
+        assert sum(row.values()) == pytest.approx(slow.makespan - slow.busy_time[rank])
+
+
+def test_message_latency_is_transfer():
+    schedule = build("gpipe", 2, 4)
+    breakdown = decompose(_measured(schedule, forward=MS, backward=2 * MS, comm=0.5 * MS), schedule)
+    assert breakdown.total(TRANSFER) > 0
+    assert breakdown.total(TRANSFER) + breakdown.total(SCHEDULE) == pytest.approx(breakdown.total())
+
+
+def test_the_figure_stacks_every_cause_per_rank():
+    schedule = build("1f1b", 2, 4)
+    fig = decompose(_measured(schedule, forward=[MS, 2 * MS], backward=[2 * MS, 4 * MS]), schedule).figure()
+    assert [trace.name for trace in fig.data] == [SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST]
+    assert fig.layout.barmode == "stack" and list(fig.data[0].y) == ["rank 0", "rank 1"]
+
+
+# -- on real engines -------------------------------------------------------------------------------------------
+
+
+class _Sleep(torch.autograd.Function):
+    """Forward sleeps `seconds`, backward twice as long: a stage whose time the test sets."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        import time
+
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Sleepy(nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Sleep.apply(self.linear(x), self.seconds)
+
+
+def _two_stages(first: float, second: float):
+    def build_model():
+        torch.manual_seed(0)
+        return nn.Sequential(Sleepy(first), Sleepy(second))
+
+    return build_model
+
+
+def _step(cluster, first: float, second: float):
+    pipe = nbdist.pipeline(_two_stages(first, second), 2, "1f1b", microbatches=8, cluster=cluster)
+    batch = torch.randn(32, 8), torch.randn(32, 8)
+    for _ in range(2):  # the second step is warm
+        pipe.step(*batch, nn.functional.mse_loss)
+    return pipe
+
+
+def test_on_engines_equal_stages_are_warm_up_and_a_slow_stage_is_imbalance(cluster):
+    balanced = _step(cluster, 4 * MS, 4 * MS)
+    even = balanced.bubbles()
+    # the simulator's figure: the schedule played with the step's measured per-action times (messages free)
+    times = dict(measured_durations(balanced.timeline, 2, 1), comm=0.0)
+    simulated = _idle(balanced.schedule.simulate(**times))
+    assert abs(even.total(SCHEDULE) - simulated) <= 0.10 * simulated, (even, simulated)
+    assert even.total(SCHEDULE) >= 0.6 * even.total(), even  # and it is most of the idle time
+    slow = _step(cluster, 4 * MS, 8 * MS)
+    uneven = slow.bubbles()
+    added = _idle(slow.timeline) - _idle(balanced.timeline)
+    assert added > 0
+    assert uneven.total(IMBALANCE) > 0.5 * added, (uneven, added)
+    assert uneven.slowest_stage[0] == 1 and uneven.slowest_stage[1] == pytest.approx(4 / 3, rel=0.1)
+    assert uneven.changes[0].what.startswith("balance the stages (stage 1")

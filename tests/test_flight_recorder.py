@@ -1,0 +1,133 @@
+"""The flight recorder's ring and the hang view's reading of reports, in this process (no engines): what each call
+leaves in the ring, and the sentence and mismatches read from ranks' reports made here by the recorder itself."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nbdist.debugging import hang
+from nbdist.debugging.ranks import recorder
+
+WORLD = ("0", (0, 1, 2, 3))
+
+
+@pytest.fixture(autouse=True)
+def clean_ring():
+    recorder.clear()
+    yield
+    recorder.clear()
+
+
+def test_a_call_is_in_flight_until_it_ends_and_failed_calls_say_so():
+    first = recorder.begin(WORLD, 1, "all_reduce", None, 256, torch.float32)
+    second = recorder.begin(WORLD, None, "recv", 1, 4, torch.float64)
+    recorder.end(first)
+    recorder.failed(second)
+    third = recorder.begin(WORLD, 2, "broadcast", None, 8, torch.int64)
+    calls = recorder.tail()
+    assert [c["call"] for c in calls] == ["all_reduce", "recv", "broadcast"]
+    assert calls[0]["end"] is not None and calls[0]["end"] >= calls[0]["start"] and not calls[0]["failed"]
+    assert calls[1]["end"] is None and calls[1]["failed"] and calls[1]["peer"] == 1
+    assert calls[2]["end"] is None and not calls[2]["failed"]  # in flight
+    assert (calls[0]["bytes"], calls[1]["bytes"], calls[2]["bytes"]) == (1024, 32, 64)
+    assert calls[0]["ranks"] == [0, 1, 2, 3] and calls[0]["dtype"] == "float32"
+    recorder.end(third)
+
+
+def test_the_ring_keeps_the_last_calls_in_order_when_it_wraps():
+    for seq in range(recorder.SIZE + 37):
+        recorder.end(recorder.begin(WORLD, seq, "all_reduce", None, 1, torch.float32))
+    calls = recorder.tail(5)
+    assert [c["seq"] for c in calls] == list(range(recorder.SIZE + 32, recorder.SIZE + 37))
+    assert len(recorder.tail(recorder.SIZE + 100)) == recorder.SIZE
+
+
+def test_recording_off_leaves_the_ring_untouched():
+    recorder.on = False
+    try:
+        assert recorder.begin(WORLD, 1, "all_reduce", None, 1, torch.float32) is None
+        recorder.end(None)
+        recorder.failed(None)
+    finally:
+        recorder.on = True
+    assert recorder.tail() == []
+
+
+def test_the_main_stack_is_read_from_another_thread():
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(recorder.report()))
+    reader.start()
+    reader.join()
+    (report,) = seen
+    functions = [frame[2] for frame in report["stack"]]
+    assert "test_the_main_stack_is_read_from_another_thread" in functions  # the main thread's, not the reader's
+    assert report["now"] <= time.perf_counter()
+
+
+def _report(calls: list[tuple], stack: list, now: float = 10.0, doing: str | None = None) -> dict:
+    """A rank's report as the recorder makes it: its calls written down, then read back."""
+    recorder.clear()
+    for group, seq, call, peer, numel, dtype, ended in calls:
+        slot = recorder.begin(group, seq, call, peer, numel, dtype)
+        recorder.entries[slot] = recorder.entries[slot][:-1] + (1.0,)  # started at t = 1 s
+        if ended:
+            recorder.end(slot)
+    return {"now": now, "calls": recorder.tail(), "doing": doing, "stack": stack, "host": "h"}
+
+
+WAIT_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], ["cell In[3]", 8, "<module>", "f()"],
+              ["/x/nbdist/backend/ranks/waiting.py", 120, "_poll", "while not test():"]]
+RUN_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], ["cell In[3]", 5, "<module>", "g()"],
+             ["/home/u/train.py", 88, "step", "x = model(x)"]]
+IDLE_STACK = [["/x/nbdist/cluster/ranks/main.py", 34, "main", ""], ["/x/site-packages/tornado/ioloop.py", 1, "x", ""]]
+
+
+def test_the_sentence_names_the_rank_that_never_reached_the_collective():
+    reduce = (WORLD, 42, "all_reduce", None, 256, torch.float32, False)
+    reports = {r: _report([reduce], WAIT_STACK) for r in (0, 1, 3)}
+    reports[2] = _report([(("pipeline", (1, 2)), None, "recv", 1, 64, torch.float32, False)], WAIT_STACK,
+                         doing="pipeline tick 7: R1 s1")
+    view = hang.explain(reports)
+    assert view.sentence == (
+        "ranks 0, 1, 3 wait in all_reduce #42 on the group of ranks [0, 1, 2, 3]; rank 2 never reached it: it waits "
+        "in recv from rank 1 on group pipeline (ranks [1, 2]) (pipeline tick 7: R1 s1), called from cell In[3]:8 in "
+        "<module>")
+    assert view.rows()[0]["waiting"] == "9.0 s" and view.mismatches == []
+
+
+def test_a_rank_outside_any_call_one_behind_or_silent_is_said_so():
+    reduce = (WORLD, 42, "all_reduce", None, 256, torch.float32, False)
+    reports = {0: _report([reduce], WAIT_STACK), 1: _report([], RUN_STACK),
+               2: _report([(WORLD, 41, "all_reduce", None, 256, torch.float32, False)], WAIT_STACK), 3: None}
+    sentence = hang.explain(reports).sentence
+    assert sentence == (
+        "rank 0 waits in all_reduce #42 on the group of ranks [0, 1, 2, 3]; rank 1 never reached it: it runs "
+        "train.py:88 in step, outside any communication call; rank 2 waits in all_reduce #41 on the group of ranks "
+        "[0, 1, 2, 3] (1 call behind on that group); rank 3 never reached it: it did not answer (stuck in code that "
+        "holds Python's lock, or gone)")
+
+
+def test_ranks_that_met_in_one_call_with_different_shapes_are_named():
+    reports = {0: _report([(WORLD, 5, "all_reduce", None, 4, torch.float32, False)], WAIT_STACK),
+               1: _report([(WORLD, 5, "all_reduce", None, 8, torch.float32, False)], WAIT_STACK)}
+    (said,) = hang.explain(reports).mismatches
+    assert said == ("the ranks disagree on call #5 of the group of ranks [0, 1, 2, 3]: rank 0 all_reduce of 4 "
+                    "float32, rank 1 all_reduce of 8 float32")
+
+
+def test_two_ranks_receiving_from_each_other_are_a_deadlock():
+    pair = ("7", (0, 1))
+    reports = {0: _report([(pair, None, "recv", 1, 4, torch.float32, False)], WAIT_STACK),
+               1: _report([(pair, None, "recv", 0, 4, torch.float32, False)], WAIT_STACK)}
+    assert "neither sends (a deadlock)" in hang.explain(reports).sentence
+
+
+def test_idle_engines_and_their_last_call():
+    reports = {r: _report([(WORLD, 3, "barrier", None, 1, torch.uint8, True)], IDLE_STACK) for r in (0, 1)}
+    view = hang.explain(reports)
+    assert view.sentence == "no rank is running a cell: every engine waits for the next one"
+    assert [row["last done"] for row in view.rows()] == ["barrier #3 on the group of ranks [0, 1, 2, 3]"] * 2
+    assert [row["where"] for row in view.rows()] == ["", ""]
