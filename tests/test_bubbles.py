@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.debugging.bubbles import HOST, IMBALANCE, LATE_PEER, SCHEDULE, TRANSFER, decompose
+from nbdist.debugging.bubbles import HOST, IMBALANCE, LATE_PEER, SCHEDULE, STEPPING, TRANSFER, decompose
 from nbdist.schedules import build
 from nbdist.schedules.simulate import measured_durations
 
@@ -58,7 +58,7 @@ def test_message_latency_is_transfer():
 def test_the_figure_stacks_every_cause_per_rank():
     schedule = build("1f1b", 2, 4)
     fig = decompose(_measured(schedule, forward=[MS, 2 * MS], backward=[2 * MS, 4 * MS]), schedule).figure()
-    assert [trace.name for trace in fig.data] == [SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST]
+    assert [trace.name for trace in fig.data] == [SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST, STEPPING]
     assert fig.layout.barmode == "stack" and list(fig.data[0].y) == ["rank 0", "rank 1"]
 
 
@@ -125,3 +125,53 @@ def test_on_engines_equal_stages_are_warm_up_and_a_slow_stage_is_imbalance(clust
     assert uneven.total(IMBALANCE) > 0.5 * added, (uneven, added)
     assert uneven.slowest_stage[0] == 1 and uneven.slowest_stage[1] == pytest.approx(4 / 3, rel=0.1)
     assert uneven.changes[0].what.startswith("balance the stages (stage 1")
+
+
+# -- stepping's own cost, and the trace ----------------------------------------------------------------------------
+
+
+def test_a_stepped_steps_gaps_at_its_calls_are_stepping_and_the_trace_names_every_idle_stretch(cluster, tmp_path):
+    import json
+
+    from nbdist.debugging.bubbles import stepping_cost
+
+    pipe = _step(cluster, 2 * MS, 2 * MS)
+    full = pipe.timeline
+    assert stepping_cost(full) == 0 and pipe.bubbles().total(STEPPING) == 0  # one call: nothing to cut
+    stepper = pipe.stepper(torch.randn(32, 8), torch.randn(32, 8), nn.functional.mse_loss)
+    while not stepper.done:
+        stepper.next()
+    stepped = pipe.timeline
+    assert stepped.cuts and stepping_cost(stepped) > 0
+    breakdown = pipe.bubbles()
+    assert breakdown.total(STEPPING) == pytest.approx(stepping_cost(stepped))
+    assert "stepping itself causes" in breakdown.sentence()
+
+    path = pipe.export_trace(tmp_path / "steps.json", steps=2, ranks=[1])
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert tracks == {"rank 1", "steps: idle by cause"}
+    slices = [e for e in events if e["ph"] == "X"]
+    steps = [e for e in slices if e["cat"] == "step"]
+    assert [e["args"]["step"] for e in steps] == [0, 1] and "idle_ms: warm-up / cool-down" in steps[0]["args"]
+    actions = [e for e in slices if e["cat"] == "compute" and e["args"]["step"] == 1]
+    assert sorted(e["name"] for e in actions) == sorted(str(s.action) for s in stepped.spans[1] if s.action.is_compute)
+    causes = {e["args"]["cause"] for e in slices if e["cat"] == "idle"}
+    assert "stepping (tick by tick)" in causes and causes <= {
+        "stepping (tick by tick)", "host overhead", "waiting for a message", "end of step"}
+    assert all(e["dur"] >= 0 for e in slices)
+    starts = [e["ts"] for e in actions]
+    assert min(starts) >= steps[1]["ts"]  # the second step follows the first on the one axis
+
+
+def test_export_trace_refuses_what_it_cannot_choose(cluster):
+    from nbdist.errors import DistUsageError
+
+    pipe = nbdist.pipeline(_two_stages(MS, MS), 2, "1f1b", microbatches=4, cluster=cluster)
+    with pytest.raises(DistUsageError, match="no measured step to export"):
+        pipe.export_trace("x.json")
+    pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.functional.mse_loss)
+    with pytest.raises(DistUsageError, match=r"ranks \[5\] are not ranks of this pipeline"):
+        pipe.export_trace("x.json", ranks=[5])
+    with pytest.raises(DistUsageError, match="chooses none of the 1 kept steps"):
+        pipe.export_trace("x.json", steps=slice(3, 4))

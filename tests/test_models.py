@@ -310,7 +310,7 @@ def test_regression_batches_are_fresh_per_step_from_the_same_teacher():
 
 def test_a_model_built_under_the_meta_device_stays_there():
     """What a pipeline and a plan do to learn a model's shape without its memory (pipeline_parallel/api.py's
-    _meta_model): nbdist's own models must not pull themselves back onto the CPU there."""
+    meta_model): nbdist's own models must not pull themselves back onto the CPU there."""
     with torch.device("meta"):
         built = [mlp(width=8, layers=2, seed=0), gpt(vocab=16, seq=4, layers=1, hidden=8, heads=2)]
     assert {p.device.type for model in built for p in model.parameters()} == {"meta"}

@@ -10,7 +10,10 @@ time, and by reading the measured spans:
 - transfer: what the messages' measured latency adds (simulated with it);
 - host overhead: the gaps between one action's end and the next one's start on the rank (Python between actions);
 - waiting on a late peer: the rest, time in receives that the simulation does not explain (a peer slowed down by
-  its own overhead, an action slower than its median, a machine busy with something else).
+  its own overhead, an action slower than its median, a machine busy with something else);
+- stepping (tick by tick), only in a step a Stepper ran: the gaps that span the boundary between two of its calls
+  (a rank that finished its tick early waits for the next call; each call starts with a barrier and wakes the
+  rank up). A full-speed step has neither: this is stepping's own cost.
 Per rank the simulated causes are clipped at zero and, where together they exceed what the rank really idled,
 scaled down to fit, so each rank's bar sums to its measured idle time.
 
@@ -30,9 +33,10 @@ from nbdist.errors import DistUsageError
 from nbdist.schedules.generators import build
 from nbdist.schedules.simulate import Timeline, measured_durations
 
-SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST = (
-    "warm-up / cool-down", "stage imbalance", "transfer", "waiting on a late peer", "host overhead")
-CAUSES = (SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST)
+SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST, STEPPING = (
+    "warm-up / cool-down", "stage imbalance", "transfer", "waiting on a late peer", "host overhead",
+    "stepping (tick by tick)")
+CAUSES = (SCHEDULE, IMBALANCE, TRANSFER, LATE_PEER, HOST, STEPPING)
 IMBALANCED = 1.1  # a stage this much slower than the mean is named as the imbalance
 
 
@@ -72,7 +76,15 @@ class BubbleBreakdown:
         slow = f"; stage {stage} takes {ratio:.2f}x the mean stage time" if ratio >= IMBALANCED else ""
         best = (f"; best change: {self.changes[0].what}, step {self.step * 1e3:.1f} ms -> "
                 f"{self.changes[0].step * 1e3:.1f} ms predicted") if self.changes else ""
-        return f"idle {self.total() * 1e3:.1f} ms over {len(self.idle)} ranks: " + ", ".join(parts) + slow + best
+        points = self.total(STEPPING) / (len(self.idle) * self.step) if self.step else 0.0
+        stepped = f"; stepping itself causes {points:.0%} of the {self.bubble():.0%} bubble" if points else ""
+        return (f"idle {self.total() * 1e3:.1f} ms over {len(self.idle)} ranks: " + ", ".join(parts) + slow + stepped
+                + best)
+
+    def bubble(self) -> float:
+        """The measured step's bubble: idle share of all ranks' time."""
+        ranks = len(self.idle)
+        return self.total() / (ranks * self.step) if ranks and self.step else 0.0
 
     def rows(self) -> list[dict]:
         return [{"rank": r, **{c: round(v * 1e3, 3) for c, v in row.items()}} for r, row in self.idle.items()]
@@ -102,8 +114,9 @@ def decompose(measured: Timeline, schedule, pipelines: list[list[int]] | None = 
         p = pipeline_rank[rank]
         levels = [_idle(sim, p) for sim in sims]
         simulated = [max(0.0, levels[0]), max(0.0, levels[1] - levels[0]), max(0.0, levels[2] - levels[1])]
-        idle[rank] = _fit(measured.makespan - sum(s.busy for s in row), _host_overhead(row, measured.start),
-                          simulated)
+        stepping = _across_calls(row, [at for at, _ in measured.cuts])
+        idle[rank] = _fit(measured.makespan - sum(s.busy for s in row),
+                          _host_overhead(row, measured.start) - stepping, simulated, stepping)
     ideal = sims[2]
     overhead = measured.makespan - ideal.makespan
     return BubbleBreakdown(measured.makespan, idle, sum(_idle(ideal, p) for p in ideal.spans), _slowest(durations),
@@ -131,14 +144,30 @@ def _host_overhead(row: list, step_start: float) -> float:
     return gaps + sum(max(0.0, b.start - a.end) for a, b in zip(row, row[1:]))
 
 
-def _fit(idle: float, host: float, simulated: list[float]) -> dict[str, float]:
-    """One rank's idle time by cause, summing to `idle`: host overhead as measured, the simulated causes scaled
-    down if they do not fit beside it, the rest waiting on a late peer."""
-    host = min(host, idle)
-    room = max(0.0, idle - host)
+def stepping_cost(timeline: Timeline) -> float:
+    """Seconds of idle time (all ranks) that stepping itself caused in a stepped step's work timeline: the gaps that
+    span a boundary between two of the Stepper's calls. 0 at full speed."""
+    boundaries = [at for at, _ in timeline.cuts]
+    return sum(_across_calls(row, boundaries) for row in timeline.spans.values())
+
+
+def _across_calls(row: list, boundaries: list[float]) -> float:
+    """The gaps of a stepped rank that span a boundary between two calls (the cuts' places)."""
+    if not boundaries:
+        return 0.0
+    return sum(b.start - a.end for a, b in zip(row, row[1:])
+               if b.start > a.end and any(a.end <= at <= b.start for at in boundaries))
+
+
+def _fit(idle: float, host: float, simulated: list[float], stepping: float = 0.0) -> dict[str, float]:
+    """One rank's idle time by cause, summing to `idle`: stepping's and the host's gaps as measured, the simulated
+    causes scaled down if they do not fit beside them, the rest waiting on a late peer."""
+    stepping = min(stepping, idle)
+    host = min(max(0.0, host), idle - stepping)
+    room = max(0.0, idle - host - stepping)
     scale = min(1.0, room / sum(simulated)) if sum(simulated) > 0 else 0.0
     parts = [s * scale for s in simulated]
-    return dict(zip(CAUSES, [*parts, max(0.0, room - sum(parts)), host]))
+    return dict(zip(CAUSES, [*parts, max(0.0, room - sum(parts)), host, stepping]))
 
 
 def _slowest(durations: dict) -> tuple[int, float]:

@@ -17,7 +17,6 @@ on torch's "meta" device; all real compute happens on the engines (nbdist/pipeli
 """
 from __future__ import annotations
 
-import copy
 import itertools
 from collections import deque
 from typing import Callable
@@ -30,6 +29,7 @@ from nbdist.cluster.api import Cluster, current
 from nbdist.cluster.mesh import Mesh
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
+from nbdist.pipeline_parallel.inputs import check_batch, check_step_inputs, meta_model
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
@@ -43,6 +43,7 @@ from nbdist.wire import portable
 
 _numbers = itertools.count()
 LIVE_PUBLISH_SECONDS = 0.25  # how often ranks publish their spans while a live view watches (>= 2 updates/s)
+HISTORY_STEPS = 200  # measured steps kept for export_trace (a step's timeline: a few KB)
 RECENT_STEPS = 5  # steps whose durations the ideal takes medians over (a cold first step is outvoted)
 
 
@@ -116,7 +117,7 @@ class Pipeline(GatheredModel):
         if self.replicas > 1 and self.schedule.name == "pipedream":
             raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "
                                  "(dp > 1) would have to average each time: not supported; use a mesh without dp")
-        self.meta_model = _meta_model(model)
+        self.meta_model = meta_model(model)
         pieces = self.schedule.stages
         if pieces > len(self.meta_model):
             raise DistUsageError(
@@ -132,6 +133,7 @@ class Pipeline(GatheredModel):
         self._shapes: dict = {}
         self.last_results: list[dict] = []
         self.recent: deque[Timeline] = deque(maxlen=RECENT_STEPS)  # measured (work) timelines of the last steps
+        self.history: deque[Timeline] = deque(maxlen=HISTORY_STEPS)  # the same, further back: export_trace's
         self.loss: float | None = None
         self.view = None  # a PipelineView, once widget() was called: steps then update it live
         self.unfinished = False  # a step began and has not been recorded (interrupted, or a stepper left midway)
@@ -259,6 +261,7 @@ class Pipeline(GatheredModel):
         self.unfinished = False
         self.last_results = results
         self.recent.append(timeline)
+        self.history.append(timeline)
         losses = [r["loss"] for r in results if r["loss"] is not None]
         self.loss = sum(losses) / len(losses)
         if self.view is not None:
@@ -345,6 +348,23 @@ class Pipeline(GatheredModel):
 
         return decompose(timeline if timeline is not None else self.timeline, self.schedule)
 
+    def export_trace(self, path, steps: int | slice | None = None, ranks: list[int] | None = None):
+        """Save measured steps as a Chrome / Perfetto trace (open it in https://ui.perfetto.dev): one track per
+        rank, each idle stretch named by its cause, each step's bubble breakdown beside (debugging/trace.py).
+        `steps`: the last N steps (an int) or a slice of the kept steps (the last HISTORY_STEPS; default: all);
+        `ranks`: some ranks only (default: every rank). Returns the file's path."""
+        from nbdist.debugging import trace
+
+        kept = list(self.history)
+        chosen = kept[-steps:] if isinstance(steps, int) else kept[steps] if isinstance(steps, slice) else kept
+        if not chosen:
+            raise DistUsageError("no measured step to export: run step() or a stepper first" if not kept else
+                                 f"steps={steps!r} chooses none of the {len(kept)} kept steps")
+        unknown = sorted(set(ranks or ()) - set(self.ranks))
+        if unknown:
+            raise DistUsageError(f"ranks {unknown} are not ranks of this pipeline (its ranks: {self.ranks})")
+        return trace.write(path, chosen, self.schedule, ranks)
+
     def duration_sources(self, current: Timeline | None = None) -> list[Timeline]:
         """The timelines the ideal's medians are taken over: the recent steps, and a step in progress."""
         recent = list(self.recent)
@@ -392,47 +412,3 @@ def _schedule(schedule: str | Schedule, ranks: int, microbatches: int, chunks: i
             raise DistUsageError(f"the schedule is for {schedule.ranks} ranks, not {ranks} pipeline stages")
         return schedule
     return build(schedule, ranks, microbatches, chunks)
-
-
-def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
-    """One line unless `inputs` and `targets` are tensors of one global batch that splits into `replicas` equal
-    shares of `microbatches` equal micro-batches (a Pipeline's and a Sharded model's steps take such a batch)."""
-    parts = replicas * microbatches
-    split = f"{replicas} replicas × {microbatches}" if replicas > 1 else str(parts)
-    for name, t in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape[0] % parts:
-            raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
-    if inputs.shape[0] != targets.shape[0]:
-        raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
-
-
-def check_step_inputs(model: nn.Module, inputs: torch.Tensor, loss_fn) -> None:
-    """One line, before a step reaches the ranks, for inputs the model's first layer cannot take (dtype, width,
-    ids against features: read from the kernel's copy of the model, meta or not, without running it) and a loss
-    function that cannot be called as loss_fn(output, target)."""
-    from nbdist.checks import check_functions
-    from nbdist.models.inputs import sample_mismatch
-
-    check_functions(loss_fn=loss_fn)
-    if inputs.dim() and inputs.shape[0]:
-        problem = sample_mismatch(model, inputs[0], "the batch", autocast=False)
-        if problem:
-            raise DistUsageError(problem)
-
-
-def _meta_model(model) -> nn.Sequential:
-    """A copy of the model on torch's meta device: shapes and parameter counts, no memory, no compute."""
-    if isinstance(model, nn.Sequential):
-        return nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in model])
-    if isinstance(model, nn.Module):
-        kind = type(model).__name__
-        raise DistUsageError(f"the model must be an nn.Sequential (or a function building one), got {kind}")
-    if not callable(model):
-        raise DistUsageError(f"the model must be an nn.Sequential or a function building one, got {model!r}")
-    with torch.device("meta"):
-        built = model()
-    if not isinstance(built, nn.Sequential):
-        raise DistUsageError(f"the model function must return an nn.Sequential, got {type(built).__name__}")
-    return built

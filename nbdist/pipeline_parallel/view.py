@@ -15,11 +15,13 @@ embedded once per notebook, viz.display). nbconvert shows a widget's view when t
 from __future__ import annotations
 
 import html
+import statistics
 import time
 
 import ipywidgets as widgets
 from IPython import get_ipython
 
+from nbdist.debugging.bubbles import stepping_cost
 from nbdist.pipeline_parallel.stepping import tick_timeline
 from nbdist.schedules.simulate import Timeline, measured_durations
 from nbdist.viz.display import figure_html
@@ -92,7 +94,8 @@ class PipelineView(WithStaticCopy):
         )
         self.measured.show(self._figures[0])
         self.ideal.show(self._figures[1])
-        self._stats = stats_html(measured, ideal, tick_state)
+        full_speed = next((t for t in reversed(self.pipe.recent) if not t.cuts), None)
+        self._stats = stats_html(measured, ideal, tick_state, full_speed)
         self.stats.value = HIDE_STATIC_COPY + self._stats
         for button in self._buttons:
             button.disabled = self.stepper is not None and self.stepper.done
@@ -168,10 +171,11 @@ class PipelineView(WithStaticCopy):
         return f"<PipelineView of {self.pipe!r}>"
 
 
-def stats_html(measured: Timeline, ideal: Timeline, tick_state) -> str:
+def stats_html(measured: Timeline, ideal: Timeline, tick_state, full_speed: Timeline | None = None) -> str:
     """The numbers under the charts. Class names and data attributes are a contract (browser tests read them):
-    nbdist-bubble (the measured work's bubble; data-bubble="" before anything ran), nbdist-ideal-bubble, nbdist-tick.
-    """
+    nbdist-bubble (the measured work's bubble; data-bubble="" before anything ran), nbdist-ideal-bubble, nbdist-tick,
+    nbdist-stepping-cost (a stepped step: the points of its bubble that stepping itself causes). `full_speed`: the
+    pipeline's last step run at full speed, compared with a stepped one."""
     ran = bool(measured.spans) and measured.makespan > 0
     bubble = (f'<span class="nbdist-bubble" data-bubble="{measured.bubble_fraction:.4f}">'
               f"{_pct(measured.bubble_fraction)}</span>" if ran else
@@ -182,6 +186,8 @@ def stats_html(measured: Timeline, ideal: Timeline, tick_state) -> str:
              f"<b>ideal</b>: {ideal_bubble}"]
     if measured.cuts:
         parts.append(f"pauses between clicks removed: {measured.paused:.1f} s")
+        if ran:
+            parts.append(_stepping_html(measured, full_speed))
     if tick_state is not None:
         parts.append(f'<b>tick</b> <span class="nbdist-tick" data-tick="{tick_state.tick}" '
                      f'data-total="{tick_state.total_ticks}">{tick_state.tick} of {tick_state.total_ticks}</span>')
@@ -189,6 +195,26 @@ def stats_html(measured: Timeline, ideal: Timeline, tick_state) -> str:
     return (f'<p class="nbdist-stats">{" · ".join(parts)}</p>' + RANKS_TABLE_STYLE +
             '<table class="nbdist-ranks"><tr><th>rank</th><th>busy</th><th>idle</th><th>activations held now</th>'
             "<th>peak activations (ideal)</th></tr>" + "".join(_rank_rows(measured, ideal, tick_state)) + "</table>")
+
+
+def _stepping_html(stepped: Timeline, full_speed: Timeline | None) -> str:
+    """What stepping itself costs a stepped step: the points of its bubble in the gaps at the tick calls (a rank
+    done with its tick waits for the next call, which starts with a barrier), and, beside the last full-speed step,
+    how much slower its actions ran (each call starts cold)."""
+    stepping = stepping_cost(stepped)
+    points = stepping / (stepped.ranks * stepped.makespan)
+    said = (f'<b>stepping\'s own cost</b>: <span class="nbdist-stepping-cost" data-points="{points:.4f}">'
+            f"{100 * points:.0f} points</span> of the bubble, in the gaps at each tick's call")
+    if full_speed is not None and full_speed.makespan > 0:
+        slower = _median_compute(stepped) / _median_compute(full_speed) if _median_compute(full_speed) else 0.0
+        said += (f"; at full speed the last step's bubble was {_pct(full_speed.bubble_fraction)}"
+                 + (f", its actions {slower:.1f}x faster (a tick's call starts cold)" if slower > 1.05 else ""))
+    return said
+
+
+def _median_compute(timeline: Timeline) -> float:
+    busy = [s.busy for row in timeline.spans.values() for s in row if s.action.is_compute]
+    return statistics.median(busy) if busy else 0.0
 
 
 def _rank_rows(measured: Timeline, ideal: Timeline, tick_state) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.pipeline_parallel.api import check_batch, check_step_inputs
+from nbdist.pipeline_parallel.inputs import check_batch, check_step_inputs
 from nbdist.schedules.simulate import Timeline
 from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.sharding.spec import ShardSpec

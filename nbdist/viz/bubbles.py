@@ -14,6 +14,7 @@ COLOURS = {
     "transfer": "#9ECAE9",
     "waiting on a late peer": "#F58518",
     "host overhead": "#B279A2",
+    "stepping (tick by tick)": "#54A24B",
 }
 
 

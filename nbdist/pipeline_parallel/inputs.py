@@ -1,0 +1,55 @@
+"""What a pipeline checks in the kernel before anything reaches the ranks: a batch that splits into its
+micro-batches, inputs its model's first layer takes, a model it can split (read on torch's meta device).
+Shared with nbdist.shard's models, whose steps take the same batches."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from nbdist.errors import DistUsageError
+
+
+def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
+    """One line unless `inputs` and `targets` are tensors of one global batch that splits into `replicas` equal
+    shares of `microbatches` equal micro-batches (a Pipeline's and a Sharded model's steps take such a batch)."""
+    parts = replicas * microbatches
+    split = f"{replicas} replicas × {microbatches}" if replicas > 1 else str(parts)
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape[0] % parts:
+            raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
+    if inputs.shape[0] != targets.shape[0]:
+        raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
+
+
+def check_step_inputs(model: nn.Module, inputs: torch.Tensor, loss_fn) -> None:
+    """One line, before a step reaches the ranks, for inputs the model's first layer cannot take (dtype, width,
+    ids against features: read from the kernel's copy of the model, meta or not, without running it) and a loss
+    function that cannot be called as loss_fn(output, target)."""
+    from nbdist.checks import check_functions
+    from nbdist.models.inputs import sample_mismatch
+
+    check_functions(loss_fn=loss_fn)
+    if inputs.dim() and inputs.shape[0]:
+        problem = sample_mismatch(model, inputs[0], "the batch", autocast=False)
+        if problem:
+            raise DistUsageError(problem)
+
+
+def meta_model(model) -> nn.Sequential:
+    """A copy of the model on torch's meta device: shapes and parameter counts, no memory, no compute."""
+    if isinstance(model, nn.Sequential):
+        return nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in model])
+    if isinstance(model, nn.Module):
+        kind = type(model).__name__
+        raise DistUsageError(f"the model must be an nn.Sequential (or a function building one), got {kind}")
+    if not callable(model):
+        raise DistUsageError(f"the model must be an nn.Sequential or a function building one, got {model!r}")
+    with torch.device("meta"):
+        built = model()
+    if not isinstance(built, nn.Sequential):
+        raise DistUsageError(f"the model function must return an nn.Sequential, got {type(built).__name__}")
+    return built
