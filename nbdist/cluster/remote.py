@@ -164,6 +164,7 @@ class Waiter:
     after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
     why: Callable[[], object] | None = None  # the hang view (Cluster.why): asked before stuck ranks are freed
     _restarted: bool = False
+    _viewed: bool = False  # the hang view was shown: where each rank was is said, not its interrupt's traceback
 
     def wait(self) -> list:
         """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
@@ -215,6 +216,7 @@ class Waiter:
             return f"{reason} (the hang view failed: {type(e).__name__}: {e})"
         self._relay()
         _show(replace(view, sentence=""))  # the table; the sentence is said once, in the error's line
+        self._viewed = True
         return f"{reason}: {view.sentence}" if view.sentence else reason
 
     def _death(self) -> str | None:
@@ -316,7 +318,9 @@ class Waiter:
         if failed:
             _last_failure[:] = [(rank, whole_traceback(error)) for rank, error in failed.items()]
         interrupted = [r for r, e in failed.items() if _interrupted(e)]
-        causes = {r: e for r, e in failed.items() if r not in interrupted} or failed  # the rest: nbdist's interrupt
+        causes = {r: e for r, e in failed.items() if r not in interrupted}  # the rest: nbdist's interrupt
+        if not causes and not self._viewed:  # where each rank was when interrupted: its traceback says it
+            causes = failed
         write_grouped(((r, remote_traceback(e)) for r, e in causes.items()), sys.stderr)
         said = grouped((r, remote_summary(e)) for r, e in failed.items() if not _interrupted(e))
         raised = [f"{ranks_label(ranks)} raised {summary}" for ranks, summary in said]

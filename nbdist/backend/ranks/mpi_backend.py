@@ -61,6 +61,8 @@ from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
 from nbdist.debugging.ranks import recorder
+from nbdist.debugging.ranks.recorder import MASK as _MASK
+from nbdist.debugging.ranks.recorder import QUICK
 from nbdist.debugging.ranks.recorder import clock as _clock
 from nbdist.debugging.ranks.recorder import ends as _ends
 from nbdist.debugging.ranks.recorder import entries as _entries
@@ -216,14 +218,13 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         so a short spin here ends most calls; a longer wait goes through complete_now (interruptible, timed).
         `spec`: the tensor as an MPI buffer (mpi_data.summable)."""
         self.calls += 1
-        sums, numel = self._sums, tensor.numel()
+        sums, numel, dtype = self._sums, tensor.numel(), tensor.dtype
         slot = None
         if recorder.on:  # the flight recorder's begin, written out: this path is the one that must stay cheap
-            number = next(_numbers)
-            slot = number & recorder.MASK
-            _entries[slot] = (number, self.recorded_as, self.calls, "all_reduce", None, numel, tensor.dtype, _clock())
+            slot = next(_numbers) & _MASK
+            _entries[slot] = (self.recorded_as, self.calls, "all_reduce", None, numel, dtype, _clock())
             _ends[slot] = None
-        agreed = sums.post(comm, numel, tensor.dtype)
+        agreed = sums.post(comm, numel, dtype)
         request = comm.Iallreduce(data.IN_PLACE, spec, data.MPI_SUM)
         try:
             quick = quickly_complete(agreed, request)
@@ -231,14 +232,16 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
             self.abandon("all_reduce", [agreed, request], (tensor, *sums.buffers))
             recorder.failed(slot)
             raise
-        if not quick or not sums.agreed():
-            try:
-                self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)
-            except BaseException:
-                recorder.failed(slot)
-                raise
-        if slot is not None:
-            _ends[slot] = _clock()
+        if quick and sums.agreed():
+            if slot is not None:
+                _ends[slot] = QUICK  # done within the spin: no clock read
+            return done()
+        try:
+            self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)
+        except BaseException:
+            recorder.failed(slot)
+            raise
+        recorder.end(slot)
         return done()
 
     def _sum_slowly(self, comm, tensor, numel: int, agreed, request, quick: bool, opts) -> None:

@@ -26,10 +26,11 @@ TAIL = 12  # calls a report carries
 STACK_LIMIT = 40  # frames of the main thread a report carries (innermost)
 
 clock = time.perf_counter  # one clock for every process of a host, as the pipeline's spans use
-entries: list = [None] * SIZE  # (number, group, seq, call, peer, numel, dtype, start); group: (name, ranks) or None
-ends: list = [None] * SIZE  # end time; None while in flight; FAILED once given up or raised
+entries: list = [None] * SIZE  # (group, seq, call, peer, numel, dtype, start); group: (name, ranks) or None
+ends: list = [None] * SIZE  # end time; None while in flight; FAILED once given up or raised; QUICK: done at once
 FAILED = -1.0
-numbers = itertools.count()  # each call's number (never reset: the ring's slot is the number masked)
+QUICK = 0.0  # ended within the hot path's first spin (a few microseconds): no clock read for it
+numbers = itertools.count()  # counts the calls (never reset: a call's slot is its number masked)
 on = True  # whether the call sites record (False: what the recorder's benchmark compares against)
 doing = None  # what this rank's code is doing now, set by long-running walkers: (format, *values), formatted only
 # when read, e.g. ("pipeline tick {}: {}", 7, action)
@@ -40,9 +41,8 @@ def begin(group, seq, call: str, peer, numel: int, dtype) -> int | None:
     global ranks) of its group; `seq`: the call's number on that group (collectives), `peer`: a global rank."""
     if not on:
         return None
-    number = next(numbers)
-    slot = number & MASK
-    entries[slot] = (number, group, seq, call, peer, numel, dtype, clock())
+    slot = next(numbers) & MASK
+    entries[slot] = (group, seq, call, peer, numel, dtype, clock())
     ends[slot] = None
     return slot
 
@@ -71,19 +71,20 @@ def clear() -> None:
 def tail(n: int = TAIL) -> list[dict]:
     """The last `n` calls, oldest first, as plain data: what the notebook is sent."""
     recorded = sorted(((entry, ends[slot]) for slot, entry in enumerate(list(entries)) if entry is not None),
-                      key=lambda pair: pair[0][0])
+                      key=lambda pair: pair[0][-1])  # in the order they started
     return [_as_data(entry, ended) for entry, ended in recorded[-n:]]
 
 
 def _as_data(entry: tuple, ended) -> dict:
-    number, group, seq, call, peer, numel, dtype, start = entry
+    group, seq, call, peer, numel, dtype, start = entry
     itemsize = getattr(dtype, "itemsize", None)
+    end = None if ended is None or ended == FAILED else start if ended == QUICK else ended
     return {
-        "number": number, "group": None if group is None else group[0],
-        "ranks": None if group is None else list(group[1]), "seq": seq, "call": call, "peer": peer,
-        "numel": numel, "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-        "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start,
-        "end": None if ended is None or ended == FAILED else ended, "failed": ended == FAILED,
+        "group": None if group is None else group[0], "ranks": None if group is None else list(group[1]),
+        "seq": seq, "call": call, "peer": peer, "numel": numel,
+        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start, "end": end,
+        "failed": ended == FAILED,
     }
 
 
