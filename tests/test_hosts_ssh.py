@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -188,6 +189,22 @@ def test_ranks_waiting_on_the_other_host_are_interrupted_and_the_cluster_stays(w
         world.run(on_rank_fail_or_wait, 0, timeout=60)
     assert "\n" not in str(failed.value)
     assert world.run(on_rank_pid) == pids  # freed, not restarted
+    assert world.run(on_rank_sums)[0]["mpi"] == 6
+
+
+def test_the_hang_view_names_a_rank_on_the_other_host_that_skipped_a_collective(world, hosts):
+    """Rank 3 (second host) loops instead of joining the all-reduce: every rank's inspector answers across the
+    hosts, and the sentence names rank 3 with its host in the table."""
+    code = ("import torch, torch.distributed as dist, time\n"
+            "if dist.get_rank() == 3:\n    while True:\n        time.sleep(0.01)\n"
+            "dist.all_reduce(torch.ones(4))")
+    with pytest.raises(DistError) as hung:
+        world.execute(code, timeout=5, output="none")
+    assert re.search(r"ranks 0, 1, 2 wait in all_reduce #\d+ on the group of ranks \[0, 1, 2, 3\]; rank 3 never "
+                     r"reached it: it runs cell In\[\d+\]:4 in <module>, outside any communication call",
+                     str(hung.value)), str(hung.value)
+    rows = {row["rank"]: row for row in world.last_why.rows()}
+    assert [rows[r]["host"] for r in range(4)] == world.hosts
     assert world.run(on_rank_sums)[0]["mpi"] == 6
 
 

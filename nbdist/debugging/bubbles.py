@@ -26,6 +26,7 @@ viz/bubbles.py.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 
@@ -155,8 +156,13 @@ def _across_calls(row: list, boundaries: list[float]) -> float:
     """The gaps of a stepped rank that span a boundary between two calls (the cuts' places)."""
     if not boundaries:
         return 0.0
-    return sum(b.start - a.end for a, b in zip(row, row[1:])
-               if b.start > a.end and any(a.end <= at <= b.start for at in boundaries))
+    boundaries = sorted(boundaries)
+
+    def spans_a_boundary(start: float, end: float) -> bool:
+        i = bisect.bisect_left(boundaries, start)
+        return i < len(boundaries) and boundaries[i] <= end
+
+    return sum(b.start - a.end for a, b in zip(row, row[1:]) if b.start > a.end and spans_a_boundary(a.end, b.start))
 
 
 def _fit(idle: float, host: float, simulated: list[float], stepping: float = 0.0) -> dict[str, float]:

@@ -67,10 +67,10 @@ def _rank_events(step: Timeline, rank: int, offset: float, number: int) -> list[
         if span.start - clock > GAP:
             events.append(_idle(clock, span.start, rank, offset, boundaries, number))
         if span.action.kind in (RECV_F, RECV_B) and span.wait > GAP:
-            peer = span.action.peer_stage()
-            events.append(_slice(f"wait for stage {peer}'s {'activation' if span.action.kind == RECV_F else 'gradient'}", offset + span.start,
-                                 offset + span.end, rank, "idle", {"cause": "waiting for a message",
-                                                                   "step": number, "action": str(span.action)}))
+            message = "activation" if span.action.kind == RECV_F else "gradient"
+            events.append(_slice(f"wait for stage {span.action.peer_stage()}'s {message}", offset + span.start,
+                                 offset + span.end, rank, "idle",
+                                 {"cause": "waiting for a message", "step": number, "action": str(span.action)}))
             continue
         events.append(_slice(str(span.action), offset + span.start, offset + span.end, rank,
                              "compute" if span.action.is_compute else "communication",
