@@ -185,3 +185,23 @@ def test_dist_why_last_before_any_hang_is_one_line():
     fresh = Cluster(n=2)
     with pytest.raises(DistUsageError, match="the cluster is stopped"):
         fresh.why()
+
+
+def test_on_gloo_the_view_reads_torchs_own_recorder(shared_clusters):
+    """A gloo cluster: nbdist's recorder sees none of gloo's calls, torch's own flight recorder does (boot turns it
+    on); the rank waiting in gloo's all_reduce is named with its call's number, the other's loop with its line."""
+    import nbdist
+    from nbdist.cluster.options import ClusterOptions
+
+    shared_clusters.release(4)
+    with nbdist.Cluster(ClusterOptions(n=2, backend="gloo")) as gloo:
+        gloo.run(_all_reduce_world)
+        with pytest.raises(DistError) as raised:
+            gloo.execute("import time, torch, torch.distributed as dist\nif dist.get_rank() == 1:\n"
+                         "    while True:\n        time.sleep(0.01)\ndist.all_reduce(torch.ones(8))",
+                         timeout=TIMEOUT, output="none")
+        assert re.search(r"rank 0 waits in all_reduce #2 on the group of ranks \[0, 1\]; rank 1 never reached it: it "
+                         r"runs cell In\[\d+\]:4 in <module>, outside any communication call", str(raised.value)), \
+            str(raised.value)
+        rows = {row["rank"]: row for row in gloo.last_why.rows()}
+        assert rows[1]["last done"] == "all_reduce #1 on the group of ranks [0, 1]"

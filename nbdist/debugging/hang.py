@@ -145,19 +145,25 @@ def rank_state(rank: int, report: dict | None) -> RankState:
     if report is None:
         return RankState(rank, SILENT)
     stack, calls = report.get("stack") or [], report.get("calls") or []
-    done = [c for c in calls if c.get("end") is not None]
+    by_torch = report.get("torch_calls") or []  # gloo's and NCCL's calls, from torch's recorder: made, never "ended"
     state = RankState(rank, RUNS, host=report.get("host", ""), where=user_frame(stack), doing=report.get("doing"),
-                      last=done[-1] if done else None, stack=stack)
+                      stack=stack)
+    waited_in = None
     if _waiting(stack):
         state.state = WAITS
         open_calls = [c for c in calls if c.get("end") is None and not c.get("failed")]
         if open_calls:
-            state.call = open_calls[-1]
-            state.waited = max(0.0, report.get("now", 0.0) - state.call["start"])
+            waited_in = open_calls[-1]
         else:
             state.torch_call = _torch_call(stack)
+            waited_in = by_torch[-1] if by_torch and state.torch_call else None
+        if waited_in is not None:
+            state.call = waited_in
+            state.waited = max(0.0, report.get("now", 0.0) - waited_in["start"])
     elif _engine_only(stack):
         state.state = IDLE
+    done = [c for c in calls if c.get("end") is not None] + [c for c in by_torch if c is not waited_in]
+    state.last = max(done, key=lambda c: c["start"]) if done else None
     return state
 
 

@@ -20,6 +20,8 @@ from nbdist.errors import DistUsageError
 BACKEND_ENV = "NBDIST_BACKEND"  # "mpi" | "gloo" | "nccl" | "auto": what was asked; devices.bind decides
 DEVICE_ENV = "NBDIST_DEVICE"  # "cpu" forces CPU engines even where GPUs exist; "auto" binds GPUs by local rank
 PG_TIMEOUT_ENV = "NBDIST_PG_TIMEOUT"  # seconds a collective may wait before torch.distributed gives up
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder for gloo and NCCL: calls kept (0: off)
+FLIGHT_RECORDER_CALLS = 512  # kept by default, as nbdist's own recorder keeps (the hang view reads both)
 
 
 @dataclass
@@ -156,6 +158,7 @@ def _init_process_group(binding: devices.Binding, store, rank: int, size: int, t
     import torch.distributed as dist
 
     accepted = inspect.signature(dist.init_process_group).parameters
+    os.environ.setdefault(FLIGHT_RECORDER_ENV, str(FLIGHT_RECORDER_CALLS))  # gloo's and NCCL's own recorder
     if binding.backend == devices.MPI_BACKEND:
         from nbdist.backend.ranks import mpi_backend
 

@@ -13,9 +13,11 @@ started without that server (a process group made outside nbdist) has no inspect
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
+import time
 
 from nbdist.cluster.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, TOKEN_ENV, lines_from, split_address
 from nbdist.debugging.ranks import recorder
@@ -76,12 +78,42 @@ def _cell_names() -> dict[str, str]:
     return {name: f"cell In[{number}]" for name, number in numbers.items()}
 
 
+def torch_recorded(now: float, n: int = recorder.TAIL) -> list[dict]:
+    """The last `n` calls torch's own flight recorder holds (gloo's and NCCL's groups: boot turns it on), in the
+    recorder's form (recorder.tail). torch marks when a call was made, not (on gloo) when it completed, so these
+    carry no end: the hang view takes a rank's last one as the call it waits in when its stack waits in torch."""
+    try:
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        if not dist.is_initialized():
+            return []
+        entries = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False)).get("entries", [])
+        names = dist.distributed_c10d._world.pg_names
+        ranks_of = {name: dist.get_process_group_ranks(group) for group, name in names.items()}
+    except Exception:  # a torch without it, or a recorder turned off
+        return []
+    wall = time.time_ns()
+    return [_as_call(e, ranks_of, now - (wall - e.get("time_created_ns", wall)) / 1e9) for e in entries[-n:]]
+
+
+def _as_call(entry: dict, ranks_of: dict, start: float) -> dict:
+    name = (entry.get("process_group") or [None])[0]
+    sizes, dtypes = entry.get("input_sizes") or [[]], entry.get("input_dtypes") or [None]
+    numel = math.prod(sizes[0]) if sizes and sizes[0] is not None else None
+    return {"group": name, "ranks": ranks_of.get(name), "seq": None if entry.get("is_p2p") else
+            entry.get("collective_seq_id"), "call": str(entry.get("profiling_name", "")).rpartition(":")[2],
+            "peer": None, "numel": numel, "dtype": None if dtypes[0] is None else str(dtypes[0]).lower(),
+            "bytes": None, "start": start, "end": None, "failed": False, "torch": True}
+
+
 def answer(rank: int) -> bytes:
     """One JSON line: the recorder's report with the rank's identity, within REPORT_LIMIT."""
     report = recorder.report()
     report.update(rank=rank, host=socket.gethostname(), pid=os.getpid())
     cells = _cell_names()
     report["stack"] = [[cells.get(f, f), *rest] for f, *rest in report["stack"]]
+    report["torch_calls"] = torch_recorded(report["now"])
     line = json.dumps(report, default=str).encode()
     if len(line) > REPORT_LIMIT:
         report["stack"] = [[f, n, fn, ""] for f, n, fn, _ in report["stack"][-10:]]

@@ -10,7 +10,7 @@ Always on, so it must cost almost nothing: one tuple into a preallocated list an
 formatting (names, bytes and text are made only when someone reads the ring). Recorded: nbdist's MPI backend for
 torch.distributed (every collective and point-to-point call), the pipeline's MPI transport (waits on sends and
 receives), and what the pipeline executor runs (`doing`: tick and action). torch's own backends (gloo, NCCL) are
-not recorded here; their waits still show in the stack.
+recorded by torch's flight recorder, which the inspector reads beside this one.
 """
 from __future__ import annotations
 
