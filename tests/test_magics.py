@@ -136,6 +136,22 @@ def test_kernel_interrupt_stops_the_cell_on_all_ranks(started):
     assert started.execute(ALL_REDUCE_CELL).stdout == "[rank 0] tensor([3., 3.])\n"
 
 
+def test_dist_why_shows_every_rank_and_the_last_hang(started):
+    assert not started.execute(ALL_REDUCE_CELL).error
+    now = started.execute("%dist_why")
+    (table,) = [d["text/plain"] for d in now.displays]
+    assert table.splitlines()[0].split() == ["rank", "host", "state", "last", "done"], table
+    assert "no rank is running a cell: every engine waits for the next one" in table
+    hung = started.execute("%%dist --timeout 2\nimport time, torch.distributed as dist\n"
+                           "if dist.get_rank() == 1:\n    time.sleep(30)\ndist.barrier()")
+    assert hung.error and "rank 1 never reached it" in hung.error["evalue"]
+    last = started.execute("%dist_why --last --stacks")
+    assert not last.error and "rank 0 waits in barrier #" in last.displays[0]["text/plain"]
+    assert "rank 1, innermost last:" in last.stdout and "time.sleep(30)" in last.stdout
+    bogus = started.execute("%dist_why --bogus")
+    assert "UsageError" in bogus.stderr + bogus.error_text and "unrecognized arguments: --bogus" in bogus.stderr
+
+
 def test_interrupt_is_still_a_keyboard_interrupt(started):
     """A training loop's `except KeyboardInterrupt` still catches the stop button while ranks work."""
     cell = (
