@@ -2,16 +2,19 @@
 leaves in the ring, and the sentence and mismatches read from ranks' reports made here by the recorder itself."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 import torch
 
+import nbdist
 from nbdist.debugging import hang
 from nbdist.debugging.ranks import recorder
 
 WORLD = ("0", (0, 1, 2, 3))
+NBDIST = os.path.dirname(nbdist.__file__)  # where the ranks' nbdist frames are
 
 
 @pytest.fixture(autouse=True)
@@ -79,10 +82,10 @@ def _report(calls: list[tuple], stack: list, now: float = 10.0, doing: str | Non
 
 
 WAIT_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], ["cell In[3]", 8, "<module>", "f()"],
-              ["/x/nbdist/backend/ranks/waiting.py", 120, "_poll", "while not test():"]]
+              [f"{NBDIST}/backend/ranks/waiting.py", 120, "_poll", "while not test():"]]
 RUN_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], ["cell In[3]", 5, "<module>", "g()"],
              ["/home/u/train.py", 88, "step", "x = model(x)"]]
-IDLE_STACK = [["/x/nbdist/cluster/ranks/main.py", 34, "main", ""], ["/x/site-packages/tornado/ioloop.py", 1, "x", ""]]
+IDLE_STACK = [[f"{NBDIST}/cluster/ranks/main.py", 34, "main", ""], ["/x/site-packages/tornado/ioloop.py", 1, "x", ""]]
 
 
 def test_the_sentence_names_the_rank_that_never_reached_the_collective():

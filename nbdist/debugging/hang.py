@@ -30,6 +30,7 @@ _ENGINE_FILES = ("ipyparallel/", "ipykernel/", "IPython/", "tornado/", "zmq/", "
                  "threading.py", "runpy.py", "nbdist/cluster/ranks/main.py", "nbdist/cluster/lifeline.py",
                  "traitlets/", "jupyter_client/", "<frozen ")
 _STDLIB = sysconfig.get_paths().get("stdlib", "////")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"  # .../nbdist/
 
 
 @dataclass
@@ -209,11 +210,9 @@ def _is_library(path: str) -> bool:
 
 
 def _is_nbdist(path: str) -> bool:
-    return "/nbdist/" in path and not _is_users_notebook_folder(path)
-
-
-def _is_users_notebook_folder(path: str) -> bool:
-    return "/notebooks/" in path
+    """nbdist's own files: under this package's folder (the ranks run the same installation), or an installed
+    copy's."""
+    return path.startswith(_PACKAGE) or "-packages/nbdist/" in path
 
 
 def _short(path: str) -> str:
@@ -222,7 +221,7 @@ def _short(path: str) -> str:
     if path.startswith("cell "):
         return path
     path = _normal(path)
-    if "/nbdist/" in path:
+    if _is_nbdist(path):
         return "nbdist/" + path.rsplit("/nbdist/", 1)[1]
     return path.rsplit("/", 1)[-1]
 
