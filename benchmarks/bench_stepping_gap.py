@@ -21,7 +21,6 @@ About 2 minutes on 2 cores (the 1.5 s pauses are most of it). Exit 0 when every 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -30,7 +29,7 @@ from torch import nn
 from workloads import Mlp
 
 import nbdist
-from nbdist.debugging.bubbles import stepping_cost
+from nbdist.debugging.bubbles import median_compute, stepping_cost
 
 LOSS = nn.functional.mse_loss
 POINTS = 0.05  # stepped bubble - full-speed bubble, at most
@@ -43,10 +42,6 @@ def stepped(pipe, x, y, pause: float):
         stepper.next()
         time.sleep(pause)
     return pipe.timeline
-
-
-def median_compute(timeline) -> float:
-    return statistics.median(s.busy for row in timeline.spans.values() for s in row if s.action.is_compute)
 
 
 def main() -> int:

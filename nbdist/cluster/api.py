@@ -166,7 +166,7 @@ class Cluster:
             progress=progress,
             ar=ar,
             ranks=ranks,
-            pids={row["rank"]: (row["host"], row["pid"]) for row in self._info},
+            pids=self._engine_pids(),
             restart=self.restart,
             engines_alive=self._engines_alive,
             timeout=timeout,
@@ -208,11 +208,15 @@ class Cluster:
         server = launch.lifeline_of(self._launched.cluster) if self._launched is not None else None
         return server is not None and server.signal(row["host"], row["pid"], int(number))
 
+    def _engine_pids(self) -> dict[int, tuple[str, int]]:
+        """rank -> (host, pid) of its engine, as the ranks last said (at start, or in status())."""
+        return {row["rank"]: (row["host"], row["pid"]) for row in self._info}
+
     def _death_watch(self) -> DeathWatch:
         engines = next(iter(self._require_running().cluster.engines.values()), None)
         server = launch.lifeline_of(self._launched.cluster)
-        return DeathWatch({row["rank"]: (row["host"], row["pid"]) for row in self._info},
-                          getattr(engines, "output_file", None), lost=server.lost if server else None)
+        return DeathWatch(self._engine_pids(), getattr(engines, "output_file", None),
+                          lost=server.lost if server else None)
 
     def _after_death(self) -> str:
         """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the
@@ -347,7 +351,7 @@ class Cluster:
         if launched is None or self._ended:
             self._require_running()  # says why not, in one line
         server = launch.lifeline_of(launched.cluster)
-        processes = {row["rank"]: (row["host"], row["pid"]) for row in self._info}
+        processes = self._engine_pids()
         reports = server.inspect(list(processes.values()), timeout) if server is not None else {}
         view = explain({rank: reports.get(process) for rank, process in processes.items()})
         self.last_why = view

@@ -68,7 +68,8 @@ class LifelineServer:
         self._by_process: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that process's lifeline
         self._lost: set[tuple[str, int]] = set()  # processes whose lifeline ended while the server ran
         self._inspectors: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> that engine's inspector line
-        self._heard_from: dict[socket.socket, bytes] = {}  # an inspector line -> what it sent, not yet a whole line
+        self._heard_from: dict[socket.socket, tuple[tuple[str, int], bytes]] = {}  # an inspector line -> its
+        # process and what it sent that is not yet a whole line
         self._reports: dict[tuple[str, int], bytes] = {}  # (host, pid) -> its last report (a JSON line)
         self._engine_connection = b""  # the line every lifeline gets, once published: the controller's JSON
         self._lock = threading.Lock()
@@ -200,14 +201,12 @@ class LifelineServer:
     def _reading_report(self, conn: socket.socket, data: bytes) -> None:
         """An inspector's answer arrives, possibly in parts; a whole line is its report."""
         with self._reported:
-            said = self._heard_from.get(conn, b"") + data
-            *lines, rest = said.split(b"\n")
-            self._heard_from[conn] = rest
+            process, said = self._heard_from[conn]
+            *lines, rest = (said + data).split(b"\n")
+            self._heard_from[conn] = (process, rest)
             if lines:
-                process = next((p for p, c in self._inspectors.items() if c is conn), None)
-                if process is not None:
-                    self._reports[process] = lines[-1]
-                    self._reported.notify_all()
+                self._reports[process] = lines[-1]
+                self._reported.notify_all()
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         try:
@@ -245,10 +244,9 @@ class LifelineServer:
         host, pid, *what = who.decode(errors="replace").split(" ") + [""]  # "host pid" or "host pid inspect rank"
         with self._lock:
             del self._pending[conn]
-            if what[:1] == ["inspect"]:  # an engine's inspector (cluster/ranks/inspector.py), not a lifeline
-                if pid.isdigit():
-                    self._inspectors[(host, int(pid))] = conn
-                self._heard_from[conn] = b""
+            if what[:1] == ["inspect"] and pid.isdigit():  # an engine's inspector (cluster/ranks/inspector.py)
+                self._inspectors[(host, int(pid))] = conn
+                self._heard_from[conn] = ((host, int(pid)), b"")
                 return
             self._held.add(conn)
             if pid.isdigit():

@@ -107,21 +107,21 @@ def decompose(measured: Timeline, schedule, pipelines: list[list[int]] | None = 
     if durations is None:
         raise DistUsageError("this step has no complete forward and backward of every stage to measure")
     pipeline_rank = _pipeline_ranks(measured, pipelines or measured.pipelines)
-    balanced = {k: _mean_each(v) if isinstance(v, list) else v for k, v in durations.items()}
-    free = dict(durations, comm=0.0)
-    sims = [schedule.simulate(**dict(balanced, comm=0.0)), schedule.simulate(**free), schedule.simulate(**durations)]
+    sims = [schedule.simulate(**dict(_balanced(durations), comm=0.0)), schedule.simulate(**dict(durations, comm=0.0)),
+            schedule.simulate(**durations)]
+    boundaries = call_boundaries(measured)
     idle = {}
     for rank, row in measured.spans.items():
         p = pipeline_rank[rank]
         levels = [_idle(sim, p) for sim in sims]
         simulated = [max(0.0, levels[0]), max(0.0, levels[1] - levels[0]), max(0.0, levels[2] - levels[1])]
-        stepping = _across_calls(row, [at for at, _ in measured.cuts])
+        stepping = _across_calls(row, boundaries)
         idle[rank] = _fit(measured.makespan - sum(s.busy for s in row),
                           _host_overhead(row, measured.start) - stepping, simulated, stepping)
-    ideal = sims[2]
+    ideal, slowest = sims[2], _slowest(durations)
     overhead = measured.makespan - ideal.makespan
-    return BubbleBreakdown(measured.makespan, idle, sum(_idle(ideal, p) for p in ideal.spans), _slowest(durations),
-                           _changes(schedule, durations, overhead), name=measured.name)
+    return BubbleBreakdown(measured.makespan, idle, sum(_idle(ideal, p) for p in ideal.spans), slowest,
+                           _changes(schedule, durations, slowest, overhead), name=measured.name)
 
 
 def _pipeline_ranks(measured: Timeline, pipelines: list[list[int]]) -> dict[int, int]:
@@ -130,9 +130,9 @@ def _pipeline_ranks(measured: Timeline, pipelines: list[list[int]]) -> dict[int,
     return {rank: i for pipeline in pipelines for i, rank in enumerate(pipeline)}
 
 
-def _mean_each(values: list[float]) -> list[float]:
-    mean = statistics.fmean(values)
-    return [mean] * len(values)
+def _balanced(durations: dict) -> dict:
+    """The measured durations with every stage at the stages' mean (the message latency kept)."""
+    return {k: [statistics.fmean(v)] * len(v) if isinstance(v, list) else v for k, v in durations.items()}
 
 
 def _idle(timeline: Timeline, rank: int) -> float:
@@ -148,21 +148,31 @@ def _host_overhead(row: list, step_start: float) -> float:
 def stepping_cost(timeline: Timeline) -> float:
     """Seconds of idle time (all ranks) that stepping itself caused in a stepped step's work timeline: the gaps that
     span a boundary between two of the Stepper's calls. 0 at full speed."""
-    boundaries = [at for at, _ in timeline.cuts]
+    boundaries = call_boundaries(timeline)
     return sum(_across_calls(row, boundaries) for row in timeline.spans.values())
 
 
+def call_boundaries(timeline: Timeline) -> list[float]:
+    """Where a stepped step's calls meet on its work timeline (the cuts' places), in order; none at full speed."""
+    return sorted(at for at, _ in timeline.cuts)
+
+
+def spans_a_boundary(boundaries: list[float], start: float, end: float) -> bool:
+    """Whether the stretch from `start` to `end` holds one of the (ordered) call boundaries."""
+    i = bisect.bisect_left(boundaries, start)
+    return i < len(boundaries) and boundaries[i] <= end
+
+
+def median_compute(timeline: Timeline) -> float:
+    """The median compute time of one action in the timeline (0 when it has none)."""
+    busy = [s.busy for row in timeline.spans.values() for s in row if s.action.is_compute]
+    return statistics.median(busy) if busy else 0.0
+
+
 def _across_calls(row: list, boundaries: list[float]) -> float:
-    """The gaps of a stepped rank that span a boundary between two calls (the cuts' places)."""
-    if not boundaries:
-        return 0.0
-    boundaries = sorted(boundaries)
-
-    def spans_a_boundary(start: float, end: float) -> bool:
-        i = bisect.bisect_left(boundaries, start)
-        return i < len(boundaries) and boundaries[i] <= end
-
-    return sum(b.start - a.end for a, b in zip(row, row[1:]) if b.start > a.end and spans_a_boundary(a.end, b.start))
+    """The gaps of a stepped rank that span a boundary between two calls."""
+    return sum(b.start - a.end for a, b in zip(row, row[1:])
+               if b.start > a.end and spans_a_boundary(boundaries, a.end, b.start))
 
 
 def _fit(idle: float, host: float, simulated: list[float], stepping: float = 0.0) -> dict[str, float]:
@@ -185,16 +195,15 @@ def _slowest(durations: dict) -> tuple[int, float]:
     return stage, per_stage[stage] / mean if mean else 1.0
 
 
-def _changes(schedule, durations: dict, overhead: float) -> list[Change]:
+def _changes(schedule, durations: dict, slowest: tuple[int, float], overhead: float) -> list[Change]:
     """Each candidate change simulated with the measured times, plus the measured overhead (the step's length beyond
-    the ideal's) grown with the number of actions a rank runs; best first."""
+    the ideal's) grown with the number of actions a rank runs; best first. `slowest`: (stage, x the mean)."""
     changes = []
     overhead = max(0.0, overhead)
-    stage, ratio = _slowest(durations)
+    stage, ratio = slowest
     if ratio >= IMBALANCED:
-        balanced = {k: _mean_each(v) if isinstance(v, list) else v for k, v in durations.items()}
         changes.append(Change(f"balance the stages (stage {stage} takes {ratio:.2f}x the mean)",
-                              schedule.simulate(**balanced).makespan + overhead))
+                              schedule.simulate(**_balanced(durations)).makespan + overhead))
     p, m, v = schedule.ranks, schedule.microbatches, schedule.chunks
     for what, name, micro, chunks in (
             (f"twice the micro-batches (m = {2 * m})", schedule.name, 2 * m, v),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nbdist.debugging.bubbles import HOST, STEPPING, call_boundaries, decompose, spans_a_boundary
+from nbdist.errors import DistUsageError
 from nbdist.schedules.actions import RECV_B, RECV_F
 from nbdist.schedules.simulate import Timeline
 
@@ -61,7 +63,7 @@ def _slice(name: str, start: float, end: float, rank: int, category: str, args: 
 def _rank_events(step: Timeline, rank: int, offset: float, number: int) -> list[dict]:
     """One rank's actions in one step and the idle stretches between them, each named by its cause."""
     row = step.spans.get(rank, [])
-    boundaries = [at for at, _ in step.cuts]
+    boundaries = call_boundaries(step)
     events, clock = [], step.start
     for span in row:
         if span.start - clock > GAP:
@@ -83,8 +85,7 @@ def _rank_events(step: Timeline, rank: int, offset: float, number: int) -> list[
 
 
 def _idle(start: float, end: float, rank: int, offset: float, boundaries: list[float], number: int) -> dict:
-    across = any(start <= at <= end for at in boundaries)
-    cause = "stepping (tick by tick)" if across else "host overhead"
+    cause = STEPPING if spans_a_boundary(boundaries, start, end) else HOST
     return _slice(f"idle: {cause}", offset + start, offset + end, rank, "idle", {"cause": cause, "step": number})
 
 
@@ -92,9 +93,6 @@ def _summary(step: Timeline, schedule, offset: float, number: int) -> dict:
     """The step as one slice on the summary track; its arguments: bubble, and idle ms by cause."""
     args = {"step": number, "bubble": round(step.bubble_fraction, 4), "makespan_ms": round(step.makespan * 1e3, 4)}
     if schedule is not None:
-        from nbdist.debugging.bubbles import decompose
-        from nbdist.errors import DistUsageError
-
         try:
             breakdown = decompose(step, schedule)
         except DistUsageError:

@@ -15,13 +15,12 @@ embedded once per notebook, viz.display). nbconvert shows a widget's view when t
 from __future__ import annotations
 
 import html
-import statistics
 import time
 
 import ipywidgets as widgets
 from IPython import get_ipython
 
-from nbdist.debugging.bubbles import stepping_cost
+from nbdist.debugging.bubbles import median_compute, stepping_cost
 from nbdist.pipeline_parallel.stepping import tick_timeline
 from nbdist.schedules.simulate import Timeline, measured_durations
 from nbdist.viz.display import figure_html
@@ -206,15 +205,11 @@ def _stepping_html(stepped: Timeline, full_speed: Timeline | None) -> str:
     said = (f'<b>stepping\'s own cost</b>: <span class="nbdist-stepping-cost" data-points="{points:.4f}">'
             f"{100 * points:.0f} points</span> of the bubble, in the gaps at each tick's call")
     if full_speed is not None and full_speed.makespan > 0:
-        slower = _median_compute(stepped) / _median_compute(full_speed) if _median_compute(full_speed) else 0.0
+        full_compute = median_compute(full_speed)
+        slower = median_compute(stepped) / full_compute if full_compute else 0.0
         said += (f"; at full speed the last step's bubble was {_pct(full_speed.bubble_fraction)}"
                  + (f", its actions {slower:.1f}x faster (a tick's call starts cold)" if slower > 1.05 else ""))
     return said
-
-
-def _median_compute(timeline: Timeline) -> float:
-    busy = [s.busy for row in timeline.spans.values() for s in row if s.action.is_compute]
-    return statistics.median(busy) if busy else 0.0
 
 
 def _rank_rows(measured: Timeline, ideal: Timeline, tick_state) -> list[str]:
