@@ -26,12 +26,18 @@ def bubble_figure(breakdown, title: str | None = None) -> go.Figure:
         values = [breakdown.idle[r].get(cause, 0.0) * 1e3 for r in ranks]
         fig.add_trace(go.Bar(
             y=[f"rank {r}" for r in ranks], x=values, name=cause, orientation="h", marker_color=colour,
+            showlegend=any(values),  # a cause this step does not have stays out of the legend
             hovertemplate=f"%{{y}}: {cause} %{{x:.2f}} ms<extra></extra>"))
     heading = title or f"Idle time by cause, step {breakdown.step * 1e3:.1f} ms"
-    fig.update_layout(
-        barmode="stack", title={"text": f"{heading}<br><sup>{_wrapped(breakdown.sentence())}</sup>"},
-        xaxis_title="idle (ms)", yaxis={"autorange": "reversed"}, height=160 + 32 * len(ranks),
-        legend={"orientation": "h", "y": -0.25}, margin={"t": 90})
+    subtitle = _wrapped(breakdown.sentence())
+    lines = subtitle.count("<br>") + 1
+    bars = 32 * len(ranks) + 40
+    top, bottom = 60 + 16 * lines, 100  # room for the title and its subtitle; for the axis title and the legend
+    fig.update_layout(  # title placed as the timeline figure places its own (viz/timeline.py)
+        barmode="stack", title={"text": heading, "subtitle": {"text": subtitle}, "yref": "container", "y": 1.0,
+                                "yanchor": "top", "pad": {"t": 12}}, xaxis_title="idle (ms)",
+        yaxis={"autorange": "reversed"}, height=bars + top + bottom,
+        legend={"orientation": "h", "y": -60 / bars, "yanchor": "top", "x": 0}, margin={"t": top, "b": bottom})
     return fig
 
 
