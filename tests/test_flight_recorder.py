@@ -134,3 +134,14 @@ def test_idle_engines_and_their_last_call():
     assert view.sentence == "no rank is running a cell: every engine waits for the next one"
     assert [row["last done"] for row in view.rows()] == ["barrier #3 on the group of ranks [0, 1, 2, 3]"] * 2
     assert [row["where"] for row in view.rows()] == ["", ""]
+
+
+def test_ranks_that_completed_the_call_the_last_one_waits_in_are_said_to_have_completed_it():
+    """The shape of the hang CI met (notebook 32, before idle_progress.py): the peers completed the broadcast and
+    their cells, rank 0 still waited in it; they had not 'never reached it'."""
+    broadcast = (WORLD, 81, "broadcast", None, 64, torch.float32)
+    reports = {0: _report([broadcast + (False,)], WAIT_STACK)}
+    reports.update({r: _report([broadcast + (True,)], IDLE_STACK) for r in (1, 2, 3)})
+    assert hang.explain(reports).sentence == (
+        "rank 0 waits in broadcast #81 on the group of ranks [0, 1, 2, 3]; ranks 1, 2, 3 completed it and finished "
+        "their cells")

@@ -252,7 +252,13 @@ def _sentence(states: dict[int, RankState]) -> str:
         call = states[waiting[0]].call
         said = f"{_ranks(waiting)} wait{'s' * (len(waiting) == 1)} in {describe_call(call)}"
         missing = [r for r in ranks if r not in waiting]
-        return "; ".join([said] + [_missing(states.get(r), r, call) for r in missing])
+        done = [r for r in missing if _completed(states.get(r), call)]
+        parts = [said] + [_missing(states.get(r), r, call) for r in missing if r not in done]
+        if done:  # they sent their part; what has not arrived waits for their next MPI call
+            idle = all(states[r].state == IDLE for r in done)
+            cells = f" and finished {_their(done)} cell{'s' * (len(done) > 1)}" if idle else ""
+            parts.append(f"{_ranks(done)} completed it{cells}")
+        return "; ".join(parts)
     p2p = [s for s in states.values() if s.state == WAITS and s.call is not None]
     if p2p:
         return "; ".join(_p2p(states, s) for s in p2p)
@@ -269,6 +275,17 @@ def _verb(clause: str, ranks: int) -> str:
     verb, _, rest = clause.partition(" ")
     plural = {"runs": "run", "waits": "wait"}.get(verb, verb) if ranks > 1 else verb
     return f"{plural} {rest}"
+
+
+def _completed(state: RankState | None, call: dict) -> bool:
+    """Whether a rank not waiting in a collective has completed it (or a later call on the same group)."""
+    last = state.last if state is not None and state.state in (IDLE, RUNS) else None
+    return bool(last) and tuple(last.get("ranks") or ()) == tuple(call["ranks"]) and \
+        last.get("seq") is not None and last["seq"] >= call["seq"]
+
+
+def _their(ranks: list[int]) -> str:
+    return "its" if len(ranks) == 1 else "their"
 
 
 def _missing(state: RankState | None, rank: int, call: dict) -> str:

@@ -217,6 +217,9 @@ def info() -> dict:
     `gpu_memory` saying whose figure it is ("nvml": all the process holds; "torch": torch's cache only)."""
     import psutil
 
+    from nbdist.backend.ranks import idle_progress
+
+    idle_progress.start()  # the kernel's first call runs on the engine's event loop: between cells, MPI moves on
     data = asdict(boot())
     data["rss_mib"] = psutil.Process().memory_info().rss / 2**20
     index = devices.Binding(data["device"], data["backend"]).gpu_index
