@@ -175,3 +175,59 @@ def test_export_trace_refuses_what_it_cannot_choose(cluster):
         pipe.export_trace("x.json", ranks=[5])
     with pytest.raises(DistUsageError, match="chooses none of the 1 kept steps"):
         pipe.export_trace("x.json", steps=slice(3, 4))
+
+
+# -- a Trainer's pipeline steps ------------------------------------------------------------------------------------
+
+
+def _sleepy_data():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g))
+
+
+def _mse(out, y):
+    import torch
+
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _sgd(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def test_a_trainers_pipeline_steps_are_explained_in_its_dashboard_and_after(cluster):
+    """Stage 1 twice as slow as stage 0: the Trainer's newest step names it, live in the dashboard and from
+    Trainer.bubbles() after the fit, and every idle second of the step has a cause."""
+    tr = nbdist.Trainer(_two_stages(4 * MS, 8 * MS), _sleepy_data, _mse, _sgd, batch_size=32,
+                        plan={"pp": 2, "microbatches": 8}, live="always", cluster=cluster)
+    try:
+        run = tr.fit(steps=3, wait=False)
+        run.wait(120)
+        assert tr.pipeline_steps.newest() == 2
+        breakdown = tr.bubbles()
+        assert breakdown.total() == pytest.approx(_idle(tr.pipeline_steps.timeline()), rel=1e-9)
+        assert breakdown.slowest_stage[0] == 1 and breakdown.slowest_stage[1] == pytest.approx(4 / 3, rel=0.1)
+        assert breakdown.total(IMBALANCE) > breakdown.total(HOST), breakdown
+        with pytest.raises(nbdist.DistUsageError, match=r"^step 99 is not kept by every rank \(steps kept: \[.*2\]\)$"):
+            tr.bubbles(step=99)
+        view = run.view
+        assert view.bubbles_shown == 2  # the dashboard drew the same step
+        bars = view.bubble_plot.figure["data"]
+        assert [t["name"] for t in bars][:2] == [SCHEDULE, IMBALANCE] and bars[0]["y"] == ["rank 0", "rank 1"]
+        assert "training step 2" in view.bubble_plot.figure["layout"]["title"]["text"]
+        assert view.static_html().count("Plotly.newPlot") == 2  # the export keeps both figures
+    finally:
+        tr.close()
+
+
+def test_bubbles_of_a_trainer_without_a_pipeline_is_one_line(cluster):
+    tr = nbdist.Trainer(_two_stages(0.0, 0.0), _sleepy_data, _mse, _sgd, batch_size=32, live=False, cluster=cluster)
+    try:
+        with pytest.raises(nbdist.DistUsageError, match=r"^bubbles\(\) explains pipeline steps: .* \(pp = 1\)$"):
+            tr.bubbles()
+    finally:
+        tr.close()

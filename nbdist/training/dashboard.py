@@ -27,7 +27,11 @@ class Dashboard(WithStaticCopy):
         self.bar = widgets.IntProgress(min=0, max=steps, value=0, description="training")
         self.label = widgets.HTML()
         self.plot = PlotlyFigure()
-        self.widget = widgets.VBox([widgets.HBox([self.bar, self.label]), self.plot])
+        self.steps_explained = trainer.pipeline_steps  # pipeline plans: each step's bubbles, drawn below
+        self.bubble_plot = PlotlyFigure() if self.steps_explained is not None else None
+        self.bubbles_shown: int | None = None  # the step the bubble figure shows
+        self.widget = widgets.VBox([widgets.HBox([self.bar, self.label]), self.plot,
+                                    *([self.bubble_plot] if self.bubble_plot is not None else [])])
         self.last_draw = 0.0
         self.redraws = 0
 
@@ -52,6 +56,8 @@ class Dashboard(WithStaticCopy):
                 self.live.add(published["records"])
                 self.telemetry[published["rank"]] = {k: v for k, v in published.items()
                                                      if k.endswith(("_percent", "_bytes"))}
+                if self.steps_explained is not None:
+                    self.steps_explained.add(published["rank"], published.get("pipeline_step"))
         if time.monotonic() - self.last_draw >= REDRAW_SECONDS:
             self._draw()
 
@@ -67,6 +73,21 @@ class Dashboard(WithStaticCopy):
             self.label.value = (f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; {rate:.1f} "
                                 f"samples/s" + (f" &nbsp; {rate * tokens:,.0f} tokens/s" if tokens else ""))
         self.plot.figure = self.figure_json()
+        self._draw_bubbles()
+
+    def _draw_bubbles(self) -> None:
+        """The newest pipeline step every rank has reported, its idle time by cause (once per new step)."""
+        step = self.steps_explained.newest() if self.steps_explained is not None else None
+        if step is None or step == self.bubbles_shown:
+            return
+        self.bubbles_shown = step
+        self.bubble_plot.show(self.bubble_figure(step))
+
+    def bubble_figure(self, step: int | None = None):
+        """The bubble breakdown of a pipeline step as a plotly Figure (debugging/bubbles.py)."""
+        step = self.steps_explained.newest() if step is None else step
+        breakdown = self.steps_explained.breakdown(step)
+        return breakdown.figure(title=f"Idle time by cause, training step {step} ({breakdown.step * 1e3:.1f} ms)")
 
     def figure_json(self) -> dict:
         """The figure as plotly JSON: the traces and layout of a figure of this shape (built once per kernel and
@@ -101,7 +122,8 @@ class Dashboard(WithStaticCopy):
             print(history.summary())
 
     def static_html(self) -> str:
-        return figure_html(self.figure_json(), loader=False)
+        bubbles = self.bubble_plot.figure if self.bubble_plot is not None and self.bubbles_shown is not None else None
+        return figure_html(self.figure_json(), loader=False) + (figure_html(bubbles, loader=False) if bubbles else "")
 
     def _static_bundle(self) -> dict:
         """The figure's static copy; before the first redraw in a kernel that has drawn no training figure yet (plotly

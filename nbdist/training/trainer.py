@@ -27,6 +27,7 @@ from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
 from nbdist.training import checkpoints, inputs
 from nbdist.training.history import History
+from nbdist.training.pipeline_steps import PipelineSteps
 from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
 from nbdist.training.spec import (
@@ -129,6 +130,7 @@ class Trainer:
             raise
         self.dataset_length = infos[0]["length"]
         self.history = History()
+        self.pipeline_steps = PipelineSteps(self.model) if pipelined else None  # what bubbles() explains
         self.stopped = False
 
     def _plan(self, model_fn, plan, grad_accum: int, sync: str):
@@ -226,6 +228,8 @@ class Trainer:
                 results = self.cluster.run(on_ranks.records, self.id, self.step)
         for result in results:
             self.history.add(result["records"])
+            if self.pipeline_steps is not None:
+                self.pipeline_steps.add(result["rank"], result.get("pipeline_step"))
         self.stopped = any(r.get("stopped") for r in results) or stop.asked
         if view is not None:
             view.close(self.history, summary=not background)
@@ -245,6 +249,13 @@ class Trainer:
         if self.stopped and not background:
             print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
         return self.history.records
+
+    def bubbles(self, step: int | None = None):
+        """Where a pipeline step's idle time came from (default: the newest step every rank reported; the last
+        few are kept): by rank and cause, with the change that would save the most (debugging/bubbles.py)."""
+        if self.pipeline_steps is None:
+            raise DistUsageError("bubbles() explains pipeline steps: this trainer's plan has no pipeline (pp = 1)")
+        return self.pipeline_steps.breakdown(step)
 
     def request_stop(self) -> None:
         """Ask every rank to stop after the step it is in (what the stop button does while fit waits)."""
@@ -393,7 +404,7 @@ class TrainingRun:
     def __init__(self, trainer: Trainer, steps: int, view):
         import threading
 
-        self.trainer, self.error, self.history = trainer, None, None
+        self.trainer, self.view, self.error, self.history = trainer, view, None, None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(steps, view), daemon=True,
                                         name=f"nbdist-{trainer.id}")

@@ -50,6 +50,7 @@ class PipelineRunner:
         self.optimizer = self.executor.optimizer
         # each stage's forward runs under the executor's autocast
         self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.optimization.precision)
+        self.last_step: dict | None = None  # the newest step's spans, for the notebook's bubble breakdown
 
     def run(self, step: int, x, y, loss_fn, autocast, scale, apply) -> dict:
         from nbdist.pipeline_parallel.ranks import pipeline
@@ -59,6 +60,7 @@ class PipelineRunner:
         started = time.perf_counter()
         report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
         wall = time.perf_counter() - started
+        self.last_step = {"step": step, "spans": report["spans"], "calls": report["calls"], "host": report["host"]}
         compute = comm = 0.0
         for action, start, end, *_ in report["spans"]:
             if Action.parse(action).is_compute:
