@@ -100,13 +100,30 @@ def test_activations_follow_korthikanti():
     assert m.activation_bytes_per_layer(b, t, "full", False) == pytest.approx(2 * s * b * h)
 
 
+def test_fused_attention_keeps_no_scores_only_their_log_sum_exp():
+    """FlashAttention stores no a·s² scores: GPT-3 175 B, b = 4, no recomputation, no tensor parallelism, per layer
+    sbh·34 bytes plus one fp32 log-sum-exp per row and head (4·a·s·b), against sbh(34 + 5as/h) unfused; the
+    prediction follows the layout's flash_attention (on by default)."""
+    m = table1_model(96, 12288, 96)
+    s, b, h, a = 2048, 4, 12288, 96
+    fused = s * b * h * 34 + 4 * a * s * b
+    assert m.activation_bytes_per_layer(b, 1, "none", False, flash_attention=True) == pytest.approx(fused)
+    assert m.activation_bytes_per_layer(b, 1, "none", False) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert m.activation_bytes_per_layer(b, 1, "selective", False, flash_attention=True) == pytest.approx(
+        s * b * h * 34)  # the attention core recomputed: not even its statistics are kept
+    per_rank = {flash: planner.predict(m, A100, gpus=8, tp=1, pp=1, global_batch=32, microbatch=4,
+                                       flash_attention=flash).breakdown["memory"]["activations"]
+                for flash in (True, False)}
+    assert per_rank[False] - per_rank[True] == pytest.approx(96 * (s * b * h * 5 * a * s / h - 4 * a * s * b))
+
+
 def test_first_pipeline_rank_holds_p_microbatches_of_activations():
     """1F1B: rank 0 holds p micro-batches in flight, so its layers' activations times p (plus the layer being
     recomputed)."""
     model = table1_model(96, 12288, 80)
     p = planner.predict(model, A100, gpus=1536, tp=8, pp=8, global_batch=2304, recompute="full")
     per_layer = model.activation_bytes_per_layer(1, 8, "full", False)
-    working = model.working_bytes_per_layer(1, 8, False)
+    working = model.working_bytes_per_layer(1, 8, False, flash_attention=True)  # the layout's default
     assert p.memory_rank == 0
     assert p.breakdown["memory"]["activations"] == pytest.approx(8 * 10 * per_layer + working)
 

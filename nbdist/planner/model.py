@@ -105,22 +105,29 @@ class GPT:
     # -- activations -------------------------------------------------------------------------------------------
 
     def activation_bytes_per_layer(self, micro_batch: int, tp: int, recompute: str, sequence_parallel: bool,
-                                   element_bytes: float = 2) -> float:
-        """Bytes one block keeps for backward per micro-batch on one tensor-parallel rank (Korthikanti et al.),
-        scaled from their 2-byte activations to `element_bytes`."""
+                                   element_bytes: float = 2, flash_attention: bool = False) -> float:
+        """Bytes one block keeps for backward per micro-batch on one tensor-parallel rank (Korthikanti et al.,
+        eq. 2-5), scaled from their 2-byte activations to `element_bytes`. Their 5·a·s/h term is the attention
+        scores (softmax input and output, dropout mask: a·s² per sequence); a fused attention (FlashAttention)
+        never stores them and keeps instead one fp32 log-sum-exp per row and head (4·a·s·b bytes), as selective
+        recomputation drops them by recomputing the attention core."""
         s, b, h, a = self.seq, micro_batch, self.hidden, self.heads
+        statistics = 0.0
         if recompute == "full":
             kept = 2 * s * b * h / (tp if sequence_parallel else 1)
         else:
-            scores = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
+            fused = flash_attention and recompute == "none"
+            scores = 0.0 if recompute == "selective" or fused else 5 * a * s / (h * tp)
+            statistics = 4 * a * s * b / tp if fused else 0.0
             whole = 34 / tp if sequence_parallel else 10 + 24 / tp
             kept = s * b * h * (whole + scores)
-        return kept * element_bytes / 2
+        return kept * element_bytes / 2 + statistics
 
     def working_bytes_per_layer(self, micro_batch: int, tp: int, sequence_parallel: bool,
-                                element_bytes: float = 2) -> float:
+                                element_bytes: float = 2, flash_attention: bool = False) -> float:
         """Bytes of one block's full activations: what a block being recomputed (or run) holds at once."""
-        return self.activation_bytes_per_layer(micro_batch, tp, "none", sequence_parallel, element_bytes)
+        return self.activation_bytes_per_layer(micro_batch, tp, "none", sequence_parallel, element_bytes,
+                                               flash_attention)
 
     def output_bytes(self, micro_batch: int, tp: int) -> float:
         """The loss's working memory on the last stage: fp32 logits of the rank's vocabulary slice (4·s·b·V/t)."""
