@@ -13,7 +13,8 @@ from the idle peers did not free it (each moves one postponed message); 64 calls
 
 So between cells the engine's event loop calls MPI's progress (`Iprobe`, BURST times) on a tick: every FIRST_TICK
 after a cell has ended, doubling up to LAST_TICK while the engine stays idle. A cell holds the event loop, so a tick
-that comes late says a cell ran and starts the ticks over. Idle, it costs 20 ticks a second of about 40 us each.
+that comes late says a cell ran and starts the ticks over. Idle, it costs 20 ticks a second, each a burst measured
+at 11 us (64 Iprobe, mpi4py, 2 ranks) besides the event loop's wake-up.
 During a cell nothing ticks: a rank that computes for a while delays a late peer by as long (as MPI does everywhere
 without a progress thread), but never for good.
 """
