@@ -324,3 +324,26 @@ def test_profile_measures_what_the_libraries_cost_and_the_prediction_adds_it(clu
     params = sum(p.numel() for p in model_fn().parameters())
     assert params / 2 < elementwise / costs.optimizer_per_param < params  # the split ones halved by tp
     assert step.total_s > step.makespan_s
+
+
+def test_profile_measures_each_dimensions_link_and_the_prediction_prices_its_collectives_on_it(cluster4):
+    """plan.profile() fits an all-reduce's α-β on the groups of each dimension with more than one rank, every group
+    at once (the cores shared as in a step); the predicted step prices the tensor-parallel all-reduces on the tp
+    link and the gradient sync on the dp link; a given fit overrides both."""
+    from nbdist.sharding.ranks import timing
+
+    plan = nbdist.shard(model_fn, dp=2, tp=2, cluster=cluster4).profile()
+    assert set(plan.links) == {"dp", "tp"}
+    tp = plan.links["tp"]
+    assert tp.ranks == 2 and tp.alpha > 0 and tp.beta > 0
+    # the fit reproduces what it was fitted to: a 2-rank ring of the per-message costs, within the points' noise
+    mesh = cluster4.mesh(dp=2, tp=2)
+    again = max(t[0] for t in cluster4.run(timing.group_all_reduce_seconds, mesh.name, "tp", [1 << 18]))
+    assert tp.ring(1 << 18, 2) == pytest.approx(again, rel=1.0)
+    step = plan.predicted_step()
+    size = plan.batch // plan.dp // plan.microbatches  # samples per micro-batch on a replica
+    expected = sum(tp.ring(entry[0] * size, 2) for layer in plan.layers for entry in layer.tp_allreduce_bytes_per_sample
+                   if entry[0])
+    assert step.tp_forward_s == [pytest.approx(expected)]
+    default = plan.predicted_step(alpha_beta=step.alpha_beta)
+    assert default.tp_forward_s != step.tp_forward_s  # the given fit, not the measured links

@@ -17,6 +17,7 @@ nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from torch import nn
@@ -33,6 +34,8 @@ from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
 from nbdist.wire import portable
 
+_measured_links: dict[tuple, object] = {}  # (cluster, its start, mesh, dimension) -> AlphaBeta, measured once
+LINK_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # bytes of the all-reduces profile() fits each group's α-β to
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
 
 
@@ -87,6 +90,7 @@ class Plan:
                             batch=self.batch, boundaries=self.boundaries)
         self.layers = profile_layers(self.model, sample_input(self.model), tp)
         self.overheads: Overheads | None = None  # measured by profile()
+        self.links: dict = {}  # measured by profile(): dimension -> the α-β of an all-reduce on its groups
 
     # the layout's choices, read where the plan is used (plan.dp, ...); the built schedule is the plan's own
     dp = property(lambda self: self.layout.dp)
@@ -142,7 +146,33 @@ class Plan:
         times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
         self.overheads = self._measure_overheads()
+        self.links = self._measure_links()
         return self
+
+    def _measure_links(self) -> dict:
+        """Per parallel dimension with more than one rank (dp, tp), the α-β of an all-reduce on its groups,
+        measured with every group of the mesh at once (the cores shared as in a step): 4 ranks on 2 cores pay
+        several times a 2-rank group's latency, which the default fit (2 ranks alone) does not know."""
+        from nbdist.collectives.costmodel import coefficients, fit_alpha_beta
+
+        dims = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        mesh = self.cluster.mesh(**{d: n for d, n in dims.items() if n > 1})
+        links = {}
+        for dim in ("dp", "tp"):
+            n = dims[dim]
+            if n == 1:
+                continue
+            key = (id(self.cluster), self.cluster.generation, mesh.name, dim)
+            if key in _measured_links:  # the planner's controls make new plans of the same shapes again and again
+                links[dim] = _measured_links[key]
+                continue
+            times = self.cluster.run(timing.group_all_reduce_seconds, mesh.name, dim, list(LINK_SIZES))
+            rows = [{"op": "all_reduce", "via": "torch", "size_bytes": size, "seconds": max(t[i] for t in times)}
+                    for i, size in enumerate(LINK_SIZES)]
+            whole = fit_alpha_beta(rows)
+            a, b = coefficients("ring", n)  # the step prices a group's all-reduce as a ring of per-message costs
+            links[dim] = _measured_links[key] = replace(whole, alpha=whole.alpha / a, beta=whole.beta / b, ranks=n)
+        return links
 
     def _measure_overheads(self) -> Overheads:
         """The libraries' own costs on these engines (DTensor per split Linear, FSDP2 per unit, the optimizer per
@@ -164,10 +194,14 @@ class Plan:
             self.profile()
         slower = self.contention()
         layers = with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
+        wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
+        if alpha_beta is None and not wanted <= set(self.links):  # a plan made by with_() of other dimensions
+            self.links = self._measure_links()
+        links = {} if alpha_beta is not None else self.links
         return predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                             boundaries=self.boundaries, microbatches=self.microbatches,
                                             schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
-                                            overheads=self.overheads)
+                                            overheads=self.overheads, links=links)
 
     def contention(self) -> float:
         """How much slower a rank computes in the step than alone in the profile: CPU engines on this host sharing
@@ -245,6 +279,8 @@ class Plan:
             plan.layers = with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
             same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
             plan.overheads = self.overheads if same else None
+            if (merged["dp"], merged["tp"], merged["pp"]) == (self.dp, self.tp, self.pp):
+                plan.links = self.links
         return plan
 
     def side_by_side(self, model) -> list[dict]:

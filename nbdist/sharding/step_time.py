@@ -90,7 +90,7 @@ class StepTime:
 def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int, zero: int,
                          boundaries: Sequence[tuple[int, int]] | None, microbatches: int, schedule: str | Schedule,
                          batch: int, alpha_beta: "AlphaBeta | None" = None, param_bytes: int = 4,
-                         overheads: Overheads | None = None) -> StepTime:
+                         overheads: Overheads | None = None, links: dict | None = None) -> StepTime:
     """The step's time from timed profiles (with_times), the schedule simulator and the alpha-beta model.
 
     Compute: each layer's seconds per sample x micro-batch size, its split part / tp, the split part taken as its
@@ -103,6 +103,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     reduce-scatters its gradients in every backward (its defaults: resharded after backward, gradients synced
     each micro-batch). `overheads` (measured on the engines): per tensor-parallel Linear and per FSDP2 unit, added
     to each micro-batch's forward and backward; the optimizer's step on each rank's share of the parameters.
+    `links`: per dimension ("dp", "tp") the α-β measured on its groups (Plan.profile), else `alpha_beta`.
     """
     check_zero(zero)
     ab = alpha_beta or default_alpha_beta()
@@ -114,8 +115,9 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
         raise DistUsageError("the profile has no layer times yet: with_times(layers, time_layers(model, batch))")
     forward = [sum(layer.forward_s * _tp_share(layer, tp) * size for layer in stage) for stage in stages]
     backward = [sum(layer.backward_s * _tp_share(layer, tp) * size for layer in stage) for stage in stages]
-    tp_f = [_tp_allreduces(stage, 0, size, tp, ab) for stage in stages]
-    tp_b = [_tp_allreduces(stage, 1, size, tp, ab) for stage in stages]
+    tp_ab, dp_ab = (links or {}).get("tp", ab), (links or {}).get("dp", ab)
+    tp_f = [_tp_allreduces(stage, 0, size, tp, tp_ab) for stage in stages]
+    tp_b = [_tp_allreduces(stage, 1, size, tp, tp_ab) for stage in stages]
     lib_f = [_library(stage, tp, zero, extra, 0) for stage in stages]
     lib_b = [_library(stage, tp, zero, extra, 1) for stage in stages]
     message = max((ab.predict(stage[-1].output_bytes_per_sample * size) for stage in stages[:-1]), default=0.0)
@@ -124,7 +126,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                                  backward=[(b + t + o) * v for b, t, o in zip(backward, tp_b, lib_b)], comm=message)
     timeline.name, timeline.unit = f"{schedule.name} (predicted)", "s"
     sync = [_dp_sync([sum(p.numel(tp) for p in layer.tensors) * param_bytes for layer in stage], dp, zero,
-                     microbatches, ab) for stage in stages]
+                     microbatches, dp_ab) for stage in stages]
     shards = dp if zero >= 1 else 1
     optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
                  + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]

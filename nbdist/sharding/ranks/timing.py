@@ -145,3 +145,21 @@ def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
 def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
     return _optimizer_step_seconds([nn.Parameter(torch.zeros(elements, device=placement.here()))], kind,
                                    repeats) / elements
+
+
+def group_all_reduce_seconds(mesh: str, dim: str, sizes: list[int], repeats: int = 7) -> list[float]:
+    """Seconds of one float32 all-reduce of each size (bytes) on this rank's group along `dim`, every group of the
+    mesh at once (as in a step: with 4 ranks on 2 cores, the two tp pairs share the cores): per size, the median of
+    `repeats` timed calls after one warm-up, each from a barrier of the whole mesh (the slowest rank's figure is the
+    group's; the kernel takes the maximum)."""
+    me = rank_mesh.here(mesh)
+    group = me.group(dim)
+    out = []
+    for size in sizes:
+        (tensor,) = placement.to_here(torch.ones(max(1, size // 4)))
+        seconds = []
+        for _ in range(repeats + 1):
+            me.everyone.Barrier()
+            seconds.append(placement.timed(lambda: dist.all_reduce(tensor, group=group)))
+        out.append(statistics.median(seconds[1:]))
+    return out
