@@ -29,7 +29,7 @@ from nbdist.cluster.api import Cluster, current
 from nbdist.cluster.mesh import Mesh
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.pipeline_parallel.inputs import check_batch, check_step_inputs, meta_model
+from nbdist.pipeline_parallel.inputs import check_batch, check_pipeline_zero, check_step_inputs, meta_model
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
@@ -61,6 +61,7 @@ def pipeline(
     lr: float = 0.01,
     transport: str = "auto",
     tp_plan: dict[int, dict[str, str]] | None = None,
+    zero: int = 0,
 ) -> "Pipeline":
     """Split `model` across `stages` ranks (or a mesh's pp dimension) and prepare `schedule` (a name, or a
     Schedule you built or wrote).
@@ -75,10 +76,13 @@ def pipeline(
     transport: "auto" (MPI for CPU tensors, torch.distributed on GPUs), "mpi" or "torch".
     tp_plan: stage -> {Linear name in the stage: "colwise" | "rowwise"}: each stage's layers split over the mesh's
     tp dimension (nbdist.shard makes it; a mesh with tp > 1 needs it).
+    zero: 1 shards each stage's optimizer state over its data-parallel replicas (ZeRO-1, Megatron's distributed
+    optimizer); 0 keeps it whole on every replica.
     """
     cluster = cluster or current()
     mesh = _pipeline_mesh(cluster, mesh, stages, tp_plan is not None)
-    return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport, tp_plan)
+    return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport, tp_plan,
+                    zero)
 
 
 def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tensor_parallel: bool = False) -> Mesh:
@@ -109,10 +113,11 @@ def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tens
 
 class Pipeline(GatheredModel):
     def __init__(self, model, mesh: Mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr,
-                 transport, tp_plan=None):
+                 transport, tp_plan=None, zero: int = 0):
         self.cluster, self.mesh, self.tp_plan = cluster, mesh, tp_plan
         p = mesh.dim_size("pp")
         self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
+        self.zero = check_pipeline_zero(zero, self.replicas, tp_plan is not None and mesh.dim_size("tp") > 1)
         self.schedule = _schedule(schedule, p, microbatches, chunks)
         if self.replicas > 1 and self.schedule.name == "pipedream":
             raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "
@@ -171,7 +176,7 @@ class Pipeline(GatheredModel):
             program=tuple(self.schedule.actions[pipeline_rank]), ticks=tuple(self.ticks[pipeline_rank]),
             stages=self.schedule.stages, microbatches=self.schedule.microbatches, layers=layers, model=model,
             transport=self.transport, optimizer=portable(optimizer), pipedream_lr=pipedream_lr,
-            tp_plan=None if self.tp_plan is None else {s: self.tp_plan[s] for s in layers},
+            tp_plan=None if self.tp_plan is None else {s: self.tp_plan[s] for s in layers}, zero=self.zero,
         )
 
     def message_shapes(self, inputs: torch.Tensor) -> dict:

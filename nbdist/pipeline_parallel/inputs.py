@@ -53,3 +53,17 @@ def meta_model(model) -> nn.Sequential:
     if not isinstance(built, nn.Sequential):
         raise DistUsageError(f"the model function must return an nn.Sequential, got {type(built).__name__}")
     return built
+
+
+def check_pipeline_zero(zero, replicas: int, split: bool) -> int:
+    """ZeRO in a pipeline: 0, or 1 (each stage's optimizer state over its replicas); one line otherwise."""
+    if zero not in (0, 1) or isinstance(zero, bool):
+        raise DistUsageError(f"a pipeline takes zero=0 or zero=1 (the optimizer state sharded over each stage's "
+                             f"replicas), got {zero!r}: ZeRO-2/3 would shard gradients the micro-batches accumulate")
+    if zero == 1 and replicas == 1:
+        raise DistUsageError("zero=1 shards the optimizer state over data-parallel replicas, but this pipeline has "
+                             "none (dp = 1)")
+    if zero == 1 and split:
+        raise DistUsageError("zero=1 with tp > 1 is not supported: torch's ZeroRedundancyOptimizer does not take "
+                             "tensor-parallel (DTensor) parameters")
+    return zero

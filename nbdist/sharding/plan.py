@@ -102,9 +102,10 @@ class Plan:
     balance = property(lambda self: self.layout.balance)
 
     def _refuse_unsupported(self) -> None:
-        if self.zero and self.pp > 1:
-            raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported yet: ZeRO runs on dp "
-                                 f"(x tp) plans; pipelines average whole gradients over dp (zero=0)")
+        if self.zero >= 2 and self.pp > 1:
+            raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported: it would shard gradients "
+                                 f"the pipeline's micro-batches accumulate (DeepSpeed refuses it too); zero=1 shards "
+                                 f"each stage's optimizer state over its replicas")
         if self.zero == 1 and self.tp > 1:
             raise DistUsageError("zero=1 with tp > 1 is not supported: torch's ZeroRedundancyOptimizer does not take "
                                  "tensor-parallel (DTensor) parameters; use zero=2 or 3 (FSDP2) with tp")
@@ -315,7 +316,7 @@ class Plan:
             mesh = self.cluster.mesh(pp=self.pp, dp=self.dp, tp=self.tp)
             built = pipeline(self.model_fn, schedule=self.schedule, microbatches=self.microbatches,
                              chunks=self.chunks, mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
-                             balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans())
+                             balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans(), zero=self.zero)
             built.plan = self  # side_by_side() compares against this plan
             return built
         from nbdist.sharding.sharded import Sharded

@@ -8,13 +8,14 @@ that and takes the pauses between a Stepper's calls out of the timeline (pipelin
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 from torch import nn
 
 from nbdist.cluster.ranks import rank_mesh, registry
-from nbdist.data_parallel.ranks import data_parallel
+from nbdist.data_parallel.ranks import data_parallel, zero_optimizer
 from nbdist.models.gathered import whole
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
@@ -45,9 +46,16 @@ def setup(spec: StageSpec) -> str:
     if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (tensor_parallel/ranks/tensor_parallel.py)
         for stage, module in modules.items():
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
-    executor = StageExecutor(spec, modules, device, transport, average, restore(spec.optimizer), walks)
+    make = restore(spec.optimizer)
+    if make is not None and spec.zero == 1:  # each stage's replicas share its optimizer state (ZeRO-1)
+        make = functools.partial(_zero1, make=make, dp_group=mesh.group("dp"))
+    executor = StageExecutor(spec, modules, device, transport, average, make, walks)
     registry.put(KIND, spec.name, executor)
     return device.type
+
+
+def _zero1(params, make, dp_group):
+    return zero_optimizer.optimizer(params, make, 1, dp_group)
 
 
 def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:

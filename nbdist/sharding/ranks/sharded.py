@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nbdist.cluster.ranks import placement, rank_mesh, registry
-from nbdist.data_parallel.ranks import data_parallel
+from nbdist.data_parallel.ranks import data_parallel, zero_optimizer
 from nbdist.models.gathered import whole
 from nbdist.sharding.ranks import zero
 from nbdist.tensor_parallel.ranks import tensor_parallel
@@ -38,7 +38,7 @@ class ShardedModel:
             zero.shard(model, self.me.device_mesh["dp"], layout.zero)
         self.model = data_parallel.wrap(model, self.me, layout.dp, layout.tp, layout.zero, spec.ddp)
         make = restore(spec.optimizer)
-        self.optimizer = None if make is None else zero.optimizer(
+        self.optimizer = None if make is None else zero_optimizer.optimizer(
             self.model.parameters(), make, layout.zero, self.me.group("dp"))
         self.by_hand = data_parallel.averages_by_hand(layout.dp, layout.tp, layout.zero)
         self.watch: placement.HostClock | placement.CudaClock | None = None  # the running step's clock
