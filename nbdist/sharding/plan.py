@@ -157,6 +157,8 @@ class Plan:
         from nbdist.collectives.costmodel import coefficients, fit_alpha_beta
 
         dims = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        if self.dp == 1 and self.tp == 1:  # no collective to price (one engine, or a pipeline alone)
+            return {}
         mesh = self.cluster.mesh(**{d: n for d, n in dims.items() if n > 1})
         links = {}
         for dim in ("dp", "tp"):
