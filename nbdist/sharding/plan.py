@@ -198,7 +198,7 @@ class Plan:
         slower = self.contention()
         layers = with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
         wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
-        if alpha_beta is None and not wanted <= set(self.links):  # a plan made by with_() of other dimensions
+        if alpha_beta is None and not wanted <= set(self.links):  # a plan made by changed(): from the cache
             self.links = self._measure_links()
         links = {} if alpha_beta is not None else self.links
         return predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
@@ -282,8 +282,6 @@ class Plan:
             plan.layers = with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
             same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
             plan.overheads = self.overheads if same else None
-            if (merged["dp"], merged["tp"], merged["pp"]) == (self.dp, self.tp, self.pp):
-                plan.links = self.links
         return plan
 
     def side_by_side(self, model) -> list[dict]:

@@ -122,7 +122,7 @@ class Dashboard(WithStaticCopy):
             print(history.summary())
 
     def static_html(self) -> str:
-        bubbles = self.bubble_plot.figure if self.bubble_plot is not None and self.bubbles_shown is not None else None
+        bubbles = self.bubble_plot.figure if self.bubbles_shown is not None else None
         return figure_html(self.figure_json(), loader=False) + (figure_html(bubbles, loader=False) if bubbles else "")
 
     def _static_bundle(self) -> dict:

@@ -48,14 +48,10 @@ def setup(spec: StageSpec) -> str:
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
     make = restore(spec.optimizer)
     if make is not None and spec.zero == 1:  # each stage's replicas share its optimizer state (ZeRO-1)
-        make = functools.partial(_zero1, make=make, dp_group=mesh.group("dp"))
+        make = functools.partial(zero_optimizer.optimizer, make=make, stage=1, dp_group=mesh.group("dp"))
     executor = StageExecutor(spec, modules, device, transport, average, make, walks)
     registry.put(KIND, spec.name, executor)
     return device.type
-
-
-def _zero1(params, make, dp_group):
-    return zero_optimizer.optimizer(params, make, 1, dp_group)
 
 
 def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:

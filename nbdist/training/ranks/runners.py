@@ -19,6 +19,8 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec
 class ShardedRunner:
     """pp = 1 plans (dp, tp, ZeRO): nbdist's ShardedModel (sharding/ranks/sharded.py), built by the plan's apply()."""
 
+    last_step = None  # only a pipeline's steps carry spans for the notebook's bubble breakdown (PipelineRunner)
+
     def __init__(self, name: str):
         from nbdist.sharding.ranks import sharded
 
@@ -88,6 +90,8 @@ def whole_model_loss(model, x, y, loss_fn, autocast) -> float:
 class ReplicaRunner:
     """The asynchronous and periodic modes (local SGD, EASGD, SSP): each rank a whole model and its own
     optimizer; the synchroniser (training/ranks/sync_modes.py) decides what crosses the network and when."""
+
+    last_step = None  # as ShardedRunner's
 
     def __init__(self, spec, me):
         from nbdist.training.ranks import sync_modes

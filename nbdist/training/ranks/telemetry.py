@@ -82,5 +82,5 @@ class Publisher:
         since = time.perf_counter() - RECENT_SECONDS  # the notebook reads the newest publication only: overlap them
         recent = [r for r in trainer.records[-self.records:] if r["started"] >= since or r["loss"] is None]
         publish_data({"trainer": trainer.spec.name, "rank": trainer.rank, "step": trainer.step,
-                      "records": recent, "pipeline_step": getattr(trainer.runner, "last_step", None),
+                      "records": recent, "pipeline_step": trainer.runner.last_step,
                       **trainer.telemetry.sample()})

@@ -297,7 +297,7 @@ class RankTrainer:
         publish(force=True)
         return {"rank": self.rank, "records": self.records[first:], "step": self.step,
                 "stopped": self.stop_requested, "failure": self.failure, "nonfinite": self._nonfinite_report(),
-                "pipeline_step": getattr(self.runner, "last_step", None)}
+                "pipeline_step": self.runner.last_step}
 
     def _halted(self) -> bool:
         return self.nonfinite_seen is not None and self.spec.optimization.on_nonfinite == "stop"
@@ -403,7 +403,7 @@ def finish(name: str) -> None:
 def records(name: str, since: int) -> dict:
     trainer = registry.get(KIND, name)
     return {"rank": trainer.rank, "records": [r for r in trainer.records if r["step"] >= since],
-            "step": trainer.step, "pipeline_step": getattr(trainer.runner, "last_step", None)}
+            "step": trainer.step, "pipeline_step": trainer.runner.last_step}
 
 
 def tensors(name: str) -> dict | None:
