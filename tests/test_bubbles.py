@@ -220,6 +220,9 @@ def test_a_trainers_pipeline_steps_are_explained_in_its_dashboard_and_after(clus
         assert [t["name"] for t in bars][:2] == [SCHEDULE, IMBALANCE] and bars[0]["y"] == ["rank 0", "rank 1"]
         assert "training step 2" in view.bubble_plot.figure["layout"]["title"]["text"]
         assert view.static_html().count("Plotly.newPlot") == 2  # the export keeps both figures
+        # and a live JupyterLab hides that copy (the widget carries the rule): no blank block under the dashboard
+        assert view.static_html().startswith('<div class="nbdist-static-copy">')
+        assert view.label.value.startswith("<style>.jp-LabShell .nbdist-static-copy")
     finally:
         tr.close()
 

@@ -10,7 +10,7 @@ import ipywidgets as widgets
 
 from nbdist.viz.display import figure_html
 from nbdist.widgets.figure import PlotlyFigure
-from nbdist.widgets.static_copy import WithStaticCopy
+from nbdist.widgets.static_copy import HIDE_STATIC_COPY, STATIC_COPY, WithStaticCopy
 
 REDRAW_SECONDS = 0.5
 _TEMPLATES: dict[tuple, dict] = {}  # figure shape (viz/training.shape_of) -> its plotly JSON, built once
@@ -25,7 +25,7 @@ class Dashboard(WithStaticCopy):
         self.live.by_step = dict(trainer.history.by_step)
         self.telemetry: dict[int, dict] = {}
         self.bar = widgets.IntProgress(min=0, max=steps, value=0, description="training")
-        self.label = widgets.HTML()
+        self.label = widgets.HTML(HIDE_STATIC_COPY)  # the live widget hides its static copy (below it)
         self.plot = PlotlyFigure()
         self.steps_explained = trainer.pipeline_steps  # pipeline plans: each step's bubbles, drawn below
         self.bubble_plot = PlotlyFigure() if self.steps_explained is not None else None
@@ -70,8 +70,9 @@ class Dashboard(WithStaticCopy):
         if rows:
             rate = self.live.throughput(last=20)
             tokens = rows[-1].get("tokens", 0) / rows[-1]["samples"]
-            self.label.value = (f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; {rate:.1f} "
-                                f"samples/s" + (f" &nbsp; {rate * tokens:,.0f} tokens/s" if tokens else ""))
+            self.label.value = HIDE_STATIC_COPY + (
+                f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; {rate:.1f} samples/s"
+                + (f" &nbsp; {rate * tokens:,.0f} tokens/s" if tokens else ""))
         self.plot.figure = self.figure_json()
         self._draw_bubbles()
 
@@ -123,7 +124,9 @@ class Dashboard(WithStaticCopy):
 
     def static_html(self) -> str:
         bubbles = self.bubble_plot.figure if self.bubbles_shown is not None else None
-        return figure_html(self.figure_json(), loader=False) + (figure_html(bubbles, loader=False) if bubbles else "")
+        figures = figure_html(self.figure_json(), loader=False)
+        figures += figure_html(bubbles, loader=False) if bubbles else ""
+        return f'<div class="{STATIC_COPY}">{figures}</div>'
 
     def _static_bundle(self) -> dict:
         """The figure's static copy; before the first redraw in a kernel that has drawn no training figure yet (plotly
@@ -131,7 +134,8 @@ class Dashboard(WithStaticCopy):
         ranks before that work, and the fit's end replaces the copy with the whole figure (what an export keeps)."""
         if self.redraws or _TEMPLATES:
             return super()._static_bundle()
-        return {"text/html": figure_html({"data": [], "layout": {}}, loader=False), "text/plain": self._static_text()}
+        empty = figure_html({"data": [], "layout": {}}, loader=False)
+        return {"text/html": f'<div class="{STATIC_COPY}">{empty}</div>', "text/plain": self._static_text()}
 
     def _static_text(self) -> str:
         return self.trainer.history.summary()
