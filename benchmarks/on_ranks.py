@@ -379,3 +379,29 @@ def set_recording(on: bool) -> bool:
 
     was, recorder.on = recorder.on, on
     return was
+
+
+def recorder_pairs(pairs: int, calls: int, size: int) -> list[tuple[float, float]] | None:
+    """Blocks of `calls` back-to-back all-reduces of `size` bytes through torch.distributed (the collectives
+    benchmark's own timed loop, nbdist/collectives/ranks/collective_timing.py), alternating the flight recorder on
+    and off block by block, `pairs` times (who goes first alternating): both sides of a pair run within
+    milliseconds of each other, so they share whatever the machine is doing then. Seconds per call of each block,
+    (on, off), the slowest rank's; None on ranks other than 0."""
+    from nbdist.collectives.ranks.collective_timing import Collective
+    from nbdist.debugging.ranks import recorder
+
+    bench = Collective("all_reduce", "torch", size, dist.get_world_size(), dist.get_rank())
+    for _ in range(calls):  # warm-up
+        bench.call()
+    was, seconds = recorder.on, []
+    try:
+        for pair in range(pairs):
+            block = {}
+            for recording in (True, False) if pair % 2 == 0 else (False, True):
+                recorder.on = recording
+                bench.barrier()
+                block[recording] = bench.agree_max(bench.timed(calls) / calls)
+            seconds.append((block[True], block[False]))
+    finally:
+        recorder.on = was
+    return seconds if dist.get_rank() == 0 else None

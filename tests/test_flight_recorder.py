@@ -32,9 +32,9 @@ def test_a_call_is_in_flight_until_it_ends_and_failed_calls_say_so():
     third = recorder.begin(WORLD, 2, "broadcast", None, 8, torch.int64)
     calls = recorder.tail()
     assert [c["call"] for c in calls] == ["all_reduce", "recv", "broadcast"]
-    assert calls[0]["end"] is not None and calls[0]["end"] >= calls[0]["start"] and not calls[0]["failed"]
-    assert calls[1]["end"] is None and calls[1]["failed"] and calls[1]["peer"] == 1
-    assert calls[2]["end"] is None and not calls[2]["failed"]  # in flight
+    assert calls[0]["done"] and not calls[0]["failed"]
+    assert not calls[1]["done"] and calls[1]["failed"] and calls[1]["peer"] == 1
+    assert not calls[2]["done"] and not calls[2]["failed"]  # in flight
     assert (calls[0]["bytes"], calls[1]["bytes"], calls[2]["bytes"]) == (1024, 32, 64)
     assert calls[0]["ranks"] == [0, 1, 2, 3] and calls[0]["dtype"] == "float32"
     recorder.end(third)

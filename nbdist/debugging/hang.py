@@ -152,7 +152,7 @@ def rank_state(rank: int, report: dict | None) -> RankState:
     waited_in = None
     if _waiting(stack):
         state.state = WAITS
-        open_calls = [c for c in calls if c.get("end") is None and not c.get("failed")]
+        open_calls = [c for c in calls if not c.get("done") and not c.get("failed")]
         if open_calls:
             waited_in = open_calls[-1]
         else:
@@ -163,7 +163,7 @@ def rank_state(rank: int, report: dict | None) -> RankState:
             state.waited = max(0.0, report.get("now", 0.0) - waited_in["start"])
     elif _engine_only(stack):
         state.state = IDLE
-    done = [c for c in calls if c.get("end") is not None] + [c for c in by_torch if c is not waited_in]
+    done = [c for c in calls if c.get("done")] + [c for c in by_torch if c is not waited_in]
     state.last = max(done, key=lambda c: c["start"]) if done else None
     return state
 

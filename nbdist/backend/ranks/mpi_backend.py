@@ -61,8 +61,8 @@ from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
 from nbdist.debugging.ranks import recorder
+from nbdist.debugging.ranks.recorder import DONE
 from nbdist.debugging.ranks.recorder import MASK as _MASK
-from nbdist.debugging.ranks.recorder import QUICK
 from nbdist.debugging.ranks.recorder import clock as _clock
 from nbdist.debugging.ranks.recorder import ends as _ends
 from nbdist.debugging.ranks.recorder import entries as _entries
@@ -234,7 +234,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
             raise
         if quick and sums.agreed():
             if slot is not None:
-                _ends[slot] = QUICK  # done within the spin: no clock read
+                _ends[slot] = DONE
             return done()
         try:
             self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)

@@ -104,7 +104,7 @@ def _as_call(entry: dict, ranks_of: dict, start: float) -> dict:
     return {"group": name, "ranks": ranks_of.get(name), "seq": None if entry.get("is_p2p") else
             entry.get("collective_seq_id"), "call": str(entry.get("profiling_name", "")).rpartition(":")[2],
             "peer": None, "numel": numel, "dtype": None if dtypes[0] is None else str(dtypes[0]).lower(),
-            "bytes": None, "start": start, "end": None, "failed": False, "torch": True}
+            "bytes": None, "start": start, "done": False, "failed": False, "torch": True}
 
 
 def answer(rank: int) -> bytes:

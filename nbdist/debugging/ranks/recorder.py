@@ -6,11 +6,12 @@ collective, and a stuck rank cannot be asked through its own busy thread. So eac
 rank's inspector thread (cluster/ranks/inspector.py) reads the ring's tail and the main thread's Python stack on
 request, without the main thread's help, and the notebook compares the ranks (debugging/hang.py).
 
-Always on, so it must cost almost nothing: one tuple into a preallocated list and two clock reads per call, no
-formatting (names, bytes and text are made only when someone reads the ring). Recorded: nbdist's MPI backend for
-torch.distributed (every collective and point-to-point call), the pipeline's MPI transport (waits on sends and
-receives), and what the pipeline executor runs (`doing`: tick and action). torch's own backends (gloo, NCCL) are
-recorded by torch's flight recorder, which the inspector reads beside this one.
+Always on, so it must cost almost nothing: one tuple into a preallocated list, one clock read (the start: what a
+hang's "waited 8 s" and the order of calls need; when a call ended is never asked, only whether) and one mark per
+call, no formatting (names, bytes and text are made only when someone reads the ring). Recorded: nbdist's MPI
+backend for torch.distributed (every collective and point-to-point call), the pipeline's MPI transport (waits on
+sends and receives), and what the pipeline executor runs (`doing`: tick and action). torch's own backends (gloo,
+NCCL) are recorded by torch's flight recorder, which the inspector reads beside this one.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ STACK_LIMIT = 40  # frames of the main thread a report carries (innermost)
 
 clock = time.perf_counter  # one clock for every process of a host, as the pipeline's spans use
 entries: list = [None] * SIZE  # (group, seq, call, peer, numel, dtype, start); group: (name, ranks) or None
-ends: list = [None] * SIZE  # end time; None while in flight; FAILED once given up or raised; QUICK: done at once
-FAILED = -1.0
-QUICK = 0.0  # ended within the hot path's first spin (a few microseconds): no clock read for it
+ends: list = [None] * SIZE  # None while in flight, DONE once completed, FAILED once given up or raised
+DONE = True
+FAILED = False
 numbers = itertools.count()  # counts the calls (never reset: a call's slot is its number masked)
 on = True  # whether the call sites record (False: what the recorder's benchmark compares against)
 doing = None  # what this rank's code is doing now, set by long-running walkers: (format, *values), formatted only
@@ -50,7 +51,7 @@ def begin(group, seq, call: str, peer, numel: int, dtype) -> int | None:
 def end(slot: int | None) -> None:
     """The call in `slot` completed."""
     if slot is not None:
-        ends[slot] = clock()
+        ends[slot] = DONE
 
 
 def failed(slot: int | None) -> None:
@@ -78,13 +79,12 @@ def tail(n: int = TAIL) -> list[dict]:
 def _as_data(entry: tuple, ended) -> dict:
     group, seq, call, peer, numel, dtype, start = entry
     itemsize = getattr(dtype, "itemsize", None)
-    end = None if ended is None or ended == FAILED else start if ended == QUICK else ended
     return {
         "group": None if group is None else group[0], "ranks": None if group is None else list(group[1]),
         "seq": seq, "call": call, "peer": peer, "numel": numel,
         "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-        "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start, "end": end,
-        "failed": ended == FAILED,
+        "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start,
+        "done": ended is DONE, "failed": ended is FAILED,
     }
 
 
