@@ -2,6 +2,7 @@
 
     from nbdist import planner
     model = planner.gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    # or planner.llama(32, 4096, 32, 8, 14336): grouped-query attention, SwiGLU, untied output (Llama 3 8B)
     hw = planner.hardware("a100-80gb")        # "a100-40gb", "h100-sxm", "h200", "local" (this machine, measured)
     p = planner.predict(model, hw, gpus=1536, tp=8, pp=8, global_batch=2304, recompute="full")
     p.step_seconds, p.tflops_per_gpu, p.mfu, p.tokens_per_second, p.memory_per_gpu, p.fits, p.breakdown
@@ -18,8 +19,8 @@ from nbdist.cost.hardware import PROFILES, Hardware, Link
 from nbdist.planner.catalog import hardware
 from nbdist.planner.frontier import SearchResult, search
 from nbdist.planner.layout import Shape, shape
-from nbdist.planner.model import GPT, gpt
+from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
 
-__all__ = ["GPT", "PROFILES", "Hardware", "Link", "Prediction", "SearchResult", "Shape", "gpt", "hardware", "predict",
-           "search", "shape"]
+__all__ = ["GPT", "PROFILES", "Hardware", "Link", "Prediction", "SearchResult", "Shape", "gpt", "hardware", "llama",
+           "predict", "search", "shape"]

@@ -135,7 +135,8 @@ def search(model: GPT, hw: Hardware, gpus: int, global_batch: int, *, max_microb
 
 def _shapes(model: GPT, gpus: int, batch: int, max_b: int, max_v: int, max_tp: int, recompute, zero, flash,
             refused: dict[str, int]):
-    for tp in (t for t in _divisors(gpus) if t <= max_tp and model.heads % t == 0 and model.ff % t == 0):
+    splits = (model.heads, model.groups, model.ff)  # tp must divide each
+    for tp in (t for t in _divisors(gpus) if t <= max_tp and all(n % t == 0 for n in splits)):
         for pp in (p for p in _divisors(gpus // tp) if p <= model.layers):
             dp = gpus // (tp * pp)
             chunks = [1] + ([v for v in range(2, max_v + 1) if model.layers % (pp * v) == 0] if pp > 1 else [])

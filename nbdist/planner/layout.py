@@ -96,6 +96,9 @@ def _check_model_split(model: GPT, tp: int, pp: int, chunks: int) -> None:
     if model.heads % tp:
         raise DistUsageError(f"tp={tp} does not divide heads={model.heads}: each tensor-parallel rank must hold "
                              f"whole attention heads")
+    if model.groups % tp:
+        raise DistUsageError(f"tp={tp} does not divide kv_heads={model.groups}: each tensor-parallel rank must hold "
+                             f"whole key/value heads (Megatron-LM's query groups)")
     if model.ff % tp:
         raise DistUsageError(f"tp={tp} does not divide ff={model.ff}: the MLP's columns are split over tp")
     if pp > model.layers:

@@ -7,9 +7,9 @@ optimizer state, stage 2 the gradients too, stage 3 the weights too; ZeRO-3 then
 layer running and the next one (prefetched): "gathered layers".
 
 A rank's Ψ: its layers (the tensor-parallel split part / t, the rest whole), plus on the first pipeline rank the
-token embedding (its vocabulary slice, V·h/t) and the positions, on the last its copy of the output layer (the
-tied embedding) and the final LayerNorm. Layers are cut as evenly as possible into p·v chunks; rank r holds
-chunks r, r+p, ...
+token embedding (its vocabulary slice, V·h/t) and learned positions, on the last the output layer (an untied
+one, or its copy of the tied embedding when it is not also the first rank) and the final norm. Layers are cut
+as evenly as possible into p·v chunks; rank r holds chunks r, r+p, ...
 
 Activations: per in-flight micro-batch chunk the chunk's layers' saved bytes (model.py), times the most chunks a
 rank holds at once in the schedule (pipeline.peak_held: 1F1B's first rank holds p); plus, with full
@@ -50,11 +50,11 @@ def rank_parameters(model: GPT, s: Shape, rank: int) -> float:
     layers = sum(chunk_layers(model, s.pp * s.chunks)[rank::s.pp])
     split, whole = model.layer_split_parameters(), model.layer_parameters() - model.layer_split_parameters()
     held = layers * (split / s.tp + whole)
-    token = model.vocab * model.hidden / s.tp
+    token = model.padded_vocab(s.tp) * model.hidden / s.tp  # the token embedding's slice, as the output layer's
     if rank == 0:
-        held += token + model.seq * model.hidden
-    if rank == s.pp - 1:
-        held += (token if s.pp > 1 else 0) + 2 * model.hidden
+        held += token + model.embedding_parameters() - model.vocab * model.hidden  # + learned positions
+    if rank == s.pp - 1:  # the output layer: its own, or the tied embedding's copy on a last stage of its own
+        held += (token if s.pp > 1 or not model.tied else 0) + model.norm_parameters
     return held
 
 

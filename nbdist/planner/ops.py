@@ -24,6 +24,12 @@ scale+mask+softmax), T = b·s tokens of the micro-batch, e bytes per element:
     mlp proj                      matmul T × ff/t × h
     bias+dropout+add (fused)      as above
 
+Grouped-query attention narrows k and v to kv_width = kv_heads·hd columns (the q, k, v matmul is T × h ×
+(h + 2·kv_width)/t, the score kernels read k and v that wide); a gated MLP (SwiGLU) has one matmul T × h ×
+2ff/t for the gate and the up projection, then silu(gate)·up (read two T·ff/t, write one). Without dropout the
+attention dropout kernel and the masks go, and the adds move three tensors; without learned positions the
+embedding is a lookup (read and write T·h).
+
 With FlashAttention (Dao et al. 2022; `flash_attention=True`) the four score kernels are one that never writes
 the scores: it reads q, k, v and writes the output. With sequence parallelism the LayerNorms, dropouts and adds
 run on T/t tokens. The backward of every kernel costs twice its forward (two products per matmul; the gradient
@@ -60,43 +66,49 @@ def _matmul(name: str, rows: float, inner: float, cols: float, e: float) -> Kern
 def block_kernels(model: GPT, micro_batch: int, tp: int, sequence_parallel: bool, e: float,
                   flash_attention: bool) -> list[Kernel]:
     """One block's forward kernels on one of tp ranks, for a micro-batch of `micro_batch` sequences."""
-    s, h, t = model.seq, model.hidden, tp
+    s, h, t, ff = model.seq, model.hidden, tp, model.ff
     tokens = micro_batch * s
     whole = tokens / t if sequence_parallel else tokens  # tokens the replicated element-wise kernels touch
-    layernorm = Kernel("LayerNorm", 0.0, 2 * e * whole * h, False)
-    residual = Kernel("bias+dropout+add", 0.0, (3 * e + MASK_BYTES) * whole * h, False)
-    return [layernorm, _matmul("q, k, v", tokens, h, 3 * h / t, e), *attention_kernels(model, micro_batch, tp, e,
-                                                                                        flash_attention),
-            _matmul("attention out", tokens, h / t, h, e), residual, layernorm,
-            _matmul("mlp fc", tokens, h, model.ff / t, e), Kernel("bias+GeLU", 0.0, 2 * e * tokens * model.ff / t, False),
-            _matmul("mlp proj", tokens, model.ff / t, h, e), residual]
+    mask = MASK_BYTES if model.dropout else 0.0
+    norm = Kernel("LayerNorm" if model.norm == "layernorm" else "RMSNorm", 0.0, 2 * e * whole * h, False)
+    residual = Kernel("bias+dropout+add" if model.dropout else "add", 0.0, (3 * e + mask) * whole * h, False)
+    if model.gated:
+        activation = Kernel("silu × up", 0.0, 3 * e * tokens * ff / t, False)
+        mlp = [_matmul("mlp gate, up", tokens, h, 2 * ff / t, e), activation]
+    else:
+        mlp = [_matmul("mlp fc", tokens, h, ff / t, e), Kernel("bias+GeLU", 0.0, 2 * e * tokens * ff / t, False)]
+    qkv = _matmul("q, k, v", tokens, h, (h + 2 * model.kv_width) / t, e)
+    attention = attention_kernels(model, micro_batch, tp, e, flash_attention)
+    out = _matmul("attention out", tokens, h / t, h, e)
+    return [norm, qkv, *attention, out, residual, norm, *mlp, _matmul("mlp proj", tokens, ff / t, h, e), residual]
 
 
 def attention_kernels(model: GPT, micro_batch: int, tp: int, e: float, flash_attention: bool) -> list[Kernel]:
     """The attention core: scores, softmax, dropout, weighted values (or one FlashAttention kernel)."""
     s, h, t = model.seq, model.hidden, tp
-    tokens, heads = micro_batch * s, model.heads / t
+    tokens, heads, kv = micro_batch * s, model.heads / t, model.kv_width
     head_dim = h / model.heads
     product_flops = 2 * heads * micro_batch * s * s * head_dim
     if flash_attention:
-        return [Kernel("flash attention", 2 * product_flops, 4 * e * tokens * h / t, True)]
+        return [Kernel("flash attention", 2 * product_flops, 2 * e * tokens * (h + kv) / t, True)]
     scores = heads * micro_batch * s * s
-    return [Kernel("scores q·kᵀ", product_flops, e * (2 * tokens * h / t + scores), True),
-            Kernel("softmax", 0.0, 2 * e * scores, False),
-            Kernel("attention dropout", 0.0, (2 * e + MASK_BYTES) * scores, False),
-            Kernel("probabilities · v", product_flops, e * (scores + 2 * tokens * h / t), True)]
+    dropout = [Kernel("attention dropout", 0.0, (2 * e + MASK_BYTES) * scores, False)] if model.dropout else []
+    return [Kernel("scores q·kᵀ", product_flops, e * (tokens * (h + kv) / t + scores), True),
+            Kernel("softmax", 0.0, 2 * e * scores, False), *dropout,
+            Kernel("probabilities · v", product_flops, e * (scores + tokens * (kv + h) / t), True)]
 
 
 def first_kernels(model: GPT, micro_batch: int, tp: int, e: float) -> list[Kernel]:
-    """The first chunk's extra: the embedding lookup plus positions, and its dropout."""
+    """The first chunk's extra: the embedding lookup, plus learned positions and dropout where the model has them."""
     tokens = micro_batch * model.seq
-    return [Kernel("embedding", 0.0, (3 * e + MASK_BYTES) * tokens * model.hidden, False)]
+    moved = 3 * e + MASK_BYTES if model.positions == "learned" or model.dropout else 2 * e
+    return [Kernel("embedding", 0.0, moved * tokens * model.hidden, False)]
 
 
 def last_kernels(model: GPT, micro_batch: int, tp: int, e: float) -> list[Kernel]:
-    """The last chunk's extra: the final LayerNorm, the logits of the rank's vocabulary slice, and the fp32
-    softmax cross-entropy over them (read the logits, write fp32 probabilities)."""
+    """The last chunk's extra: the final norm, the logits of the rank's slice of the (padded) vocabulary, and the
+    fp32 softmax cross-entropy over them (read the logits, write fp32 probabilities)."""
     tokens, h = micro_batch * model.seq, model.hidden
-    vocab = model.vocab / tp
-    return [Kernel("final LayerNorm", 0.0, 2 * e * tokens * h, False), _matmul("logits", tokens, h, vocab, e),
+    vocab = model.padded_vocab(tp) / tp
+    return [Kernel("final norm", 0.0, 2 * e * tokens * h, False), _matmul("logits", tokens, h, vocab, e),
             Kernel("cross-entropy", 0.0, (e + 4) * tokens * vocab, False)]

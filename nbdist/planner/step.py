@@ -164,11 +164,12 @@ def _message(activation: float, s: Shape, where: dict[str, Placement]) -> float:
 
 
 def _embedding_sync(model: GPT, s: Shape, hw: Hardware, grad_bytes: float) -> float:
-    """The tied embedding's gradient, all-reduced between the first and last pipeline rank."""
-    if s.pp == 1:
+    """The tied embedding's gradient, all-reduced between the first and last pipeline rank (an untied output
+    layer has no copy to keep equal)."""
+    if s.pp == 1 or not model.tied:
         return 0.0
     pair = place([0, (s.pp - 1) * s.tp * s.dp], hw)
-    return pair.all_reduce(model.vocab * model.hidden / s.tp * grad_bytes)
+    return pair.all_reduce(model.padded_vocab(s.tp) * model.hidden / s.tp * grad_bytes)
 
 
 def simulate(c: Costs, s: Shape) -> pipeline.PipelineRun:

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 
 from nbdist.errors import DistUsageError
 from nbdist.planner import PROFILES, Prediction, gpt, hardware, predict
-from nbdist.planner.model import GPT, RECOMPUTE
+from nbdist.planner.model import GPT, RECOMPUTE, llama
 from nbdist.units import format_bytes
 from nbdist.viz.cluster_plan import memory_bar_figure, time_breakdown_figure
 from nbdist.viz.display import figure_html
@@ -23,13 +23,15 @@ from nbdist.widgets.controls import Controls
 from nbdist.widgets.figure import PlotlyFigure
 from nbdist.widgets.static_copy import HIDE_STATIC_COPY, STATIC_COPY, WithStaticCopy
 
-MODELS: dict[str, GPT] = {  # Megatron-LM's Table 1 sizes (arXiv 2104.04473) and GPT-3 175B (arXiv 2005.14165)
+MODELS: dict[str, GPT] = {  # Megatron-LM's Table 1 sizes (arXiv 2104.04473), GPT-3 175B (arXiv 2005.14165), Llama 3
     "GPT 1.7 B (24 layers, 2304)": gpt(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200),
     "GPT 18.4 B (40 layers, 6144)": gpt(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200),
     "GPT 145.6 B (80 layers, 12288)": gpt(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200),
     "GPT-3 175 B (96 layers, 12288)": gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200),
     "GPT 529.6 B (105 layers, 20480)": gpt(layers=105, hidden=20480, heads=128, seq=2048, vocab=51200),
     "GPT 1 T (128 layers, 25600)": gpt(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200),
+    "Llama 3 8 B (32 layers, 4096, GQA 8)": llama(32, 4096, 32, 8, 14336),
+    "Llama 3 70 B (80 layers, 8192, GQA 8)": llama(80, 8192, 64, 8, 28672),
 }
 CONTROLS = ("model", "hardware", "tp", "pp", "dp", "chunks", "microbatch", "global_batch", "zero", "recompute",
             "sequence_parallel", "flash_attention")
