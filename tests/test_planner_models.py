@@ -10,7 +10,7 @@ import pytest
 
 from nbdist import planner
 from nbdist.errors import DistUsageError
-from nbdist.planner import memory, ops, step
+from nbdist.planner import memory, ops, published, step
 from nbdist.planner.layout import shape
 
 LLAMA3_8B = planner.llama(32, 4096, 32, 8, 14336, name="Llama 3 8B")
@@ -115,3 +115,68 @@ def test_impossible_models_and_splits_are_refused_in_one_line():
         planner.predict(LLAMA3_8B, H100, gpus=16, tp=16, global_batch=16)
     with pytest.raises(DistUsageError, match="norm"):
         planner.gpt(layers=2, hidden=64, heads=8, seq=16, vocab=100, norm="batchnorm")
+
+
+# -- context parallelism -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_context_parallelism_divides_each_rank_s_activations_and_flops(flash):
+    """cp ranks hold s/cp tokens each: saved bytes, and a block's FLOPs (its queries against all s keys), are
+    exactly 1/cp of one rank's without it."""
+    m = LLAMA3_8B
+    for cp in (2, 4, 16):
+        one = m.activation_bytes_per_layer(1, 8, "none", True, 2, flash)
+        assert m.activation_bytes_per_layer(1, 8, "none", True, 2, flash, cp) == pytest.approx(one / cp, rel=1e-12)
+        flops = [sum(k.flops for k in ops.block_kernels(m, 1, 8, True, 2.0, flash, c)) for c in (1, cp)]
+        assert flops[1] == pytest.approx(flops[0] / cp, rel=1e-12)
+
+
+def test_the_k_v_ring_is_charged_where_attention_does_not_hide_it():
+    """cp - 1 steps, each one rank's k and v (2·b·(s/cp)·kv_width/t elements) over the cp group's link, minus the
+    attention core's compute; the backward moves twice as much, and the breakdown adds it up per micro-batch."""
+    hw = planner.hardware("h100-sxm", gpus_per_host=1)  # every cp group crosses hosts: the ring is slow
+    m = planner.llama(4, 1024, 8, 8, 4096, seq=4096, vocab=32000)
+    s = shape(m, gpus=8, tp=1, pp=1, global_batch=4, cp=8)
+    where = step.groups(s, hw)
+    assert where["cp"].members == 8 and where["cp"].hosts == 8
+    piece = 2 * 1 * (4096 / 8) * m.kv_width * 2.0  # bytes of one rank's k and v, bf16
+    ring = 7 * (where["cp"].link.latency + piece / where["cp"].bandwidth)
+    attention = sum(k.seconds(hw.matmul_flops("bf16"), hw.streaming_bandwidth())
+                    for k in ops.attention_kernels(m, 1, 1, 2.0, True, 8) if k.matmul)
+    forward, backward = step._context_exchange(m, s, where["cp"], 2.0, attention)
+    assert forward == pytest.approx(ring - attention) and forward > 0
+    assert backward == pytest.approx(2 * ring - 2 * attention)
+    p = planner.predict(m, hw, gpus=8, global_batch=4, cp=8)
+    per_step = p.shape.microbatches * m.layers * (forward + backward)
+    assert p.breakdown["time"]["context-parallel k/v ring (exposed)"] == pytest.approx(per_step, rel=1e-9)
+    assert where["dp"].members == 8  # the gradient sync spans dp × cp ranks: they hold the same weights
+
+
+def test_long_sequences_need_context_parallelism_to_keep_the_pipeline_busy():
+    """Llama 3 405B at 128 K tokens (Table 4's last row): 16 M tokens are 128 sequences. Without cp, 128
+    replicas get one micro-batch each and a 16-stage pipeline idles; cp = 16 leaves 8 replicas 16 each."""
+    model = planner.llama(126, 16384, 128, 8, 53248, seq=131072)
+    run = dict(gpus=16384, tp=8, pp=16, global_batch=128, zero=1, sequence_parallel=True)
+    without, with_cp = (planner.predict(model, H100, cp=cp, **run) for cp in (1, 16))
+    assert without.pipeline.bubble_fraction > 0.9 > 0.5 > with_cp.pipeline.bubble_fraction
+    assert with_cp.tflops_per_gpu > 2 * without.tflops_per_gpu
+    rows = published.reproduce(published.LLAMA3_RUNS, H100)
+    assert all(row["fits"] for row in rows)
+    assert rows[2]["prediction"].shape.cp == 16
+
+
+def test_search_offers_context_parallelism_when_asked():
+    model = planner.llama(32, 4096, 32, 8, 14336, seq=131072)
+    plans = planner.search(model, H100, gpus=64, global_batch=8, max_cp=16)
+    assert plans.best.shape.cp > 1  # 8 sequences on 64 GPUs: splitting them beats idling
+    assert all(p.shape.cp == 1 for p in planner.search(model, H100, gpus=64, global_batch=8))
+
+
+def test_context_parallel_refusals_are_one_line():
+    with pytest.raises(DistUsageError, match=r"cp=3 does not split the sequence of 8192 into 2·cp = 6"):
+        planner.predict(LLAMA3_8B, H100, gpus=24, cp=3, global_batch=8)
+    with pytest.raises(DistUsageError, match=r"multiple of tp × cp × pp = 2 × 4 × 1 = 8"):
+        planner.predict(LLAMA3_8B, H100, gpus=12, tp=2, cp=4, global_batch=8)
+    with pytest.raises(DistUsageError, match="nbdist cannot run it"):
+        shape(LLAMA3_8B, gpus=8, tp=1, pp=1, global_batch=8, cp=8).layout

@@ -7,13 +7,16 @@
     p = planner.predict(model, hw, gpus=1536, tp=8, pp=8, global_batch=2304, recompute="full")
     p.step_seconds, p.tflops_per_gpu, p.mfu, p.tokens_per_second, p.memory_per_gpu, p.fits, p.breakdown
     planner.search(model, hw, gpus=1536, global_batch=2304)     # the plans that fit, best first
+    planner.predict(planner.llama(126, 16384, 128, 8, 53248, seq=131072), planner.hardware("h100-sxm"),
+                    gpus=16384, tp=8, pp=16, cp=16, global_batch=128, zero=1)   # context parallelism: cp
 
-Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs, activation
-bytes), layout.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU), pipeline.py
-(nbdist's schedule simulator for the bubble), step.py (every term of the step's time), prediction.py (predict,
-Prediction), frontier.py (search, the frontier), published.py (published runs the planner is checked against), local.py
-("local": this machine's CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on
-the engines.
+Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs,
+activation bytes), layout.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU),
+pipeline.py (nbdist's schedule simulator for the bubble), step.py (every term of the step's time), prediction.py
+(predict, Prediction), frontier.py (search, the frontier), published.py (published runs the planner is checked
+against: Megatron-LM Table 1, Korthikanti et al. Tables 3 and 5, MT-NLG, Llama 3 Table 4), local.py ("local": this
+machine's CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the
+engines.
 """
 from nbdist.cost.hardware import PROFILES, Hardware, Link
 from nbdist.planner.catalog import hardware

@@ -4,7 +4,8 @@ The plans enumerated: tp among the divisors of the GPU count that divide the hea
 parallelism belongs on the fastest links); pp among the divisors of what is left, up to the layers; micro-batch
 sizes 1, 2, 4, ... up to `max_microbatch`; chunks per rank v = 1, or v >= 2 dividing each stage's layers (up to
 `max_chunks`); ZeRO 0-3 where dp > 1 (2 and 3 only without a pipeline); recomputation none, selective, full;
-sequence parallelism whenever tp > 1 (it only saves: memory, and element-wise time).
+sequence parallelism whenever tp > 1 (it only saves: memory, and element-wise time); context parallelism cp among
+the divisors up to `max_cp` (1 unless asked: long sequences) that cut the sequence into 2·cp equal pieces.
 
 Why two passes: the simulator plays every micro-batch of every pipeline rank, seconds for thousands of GPUs, and
 a search meets thousands of candidates. So each candidate is first ranked by an estimate, the bubble's closed form
@@ -116,7 +117,7 @@ def _difference(best: Prediction, other: Prediction) -> str:
 def search(model: GPT, hw: Hardware, gpus: int, global_batch: int, *, max_microbatch: int = 8, max_chunks: int = 4,
            max_tp: int | None = None, recompute: tuple[str, ...] = RECOMPUTE, zero: tuple[int, ...] = (0, 1, 2, 3),
            flash_attention: bool = True, dtype: str | None = None, overlap: bool = True, top: int = 10,
-           exact: int = 16) -> SearchResult:
+           exact: int = 16, max_cp: int = 1) -> SearchResult:
     """The plans of `model` on `gpus` × `hw` for `global_batch` that fit in memory, best first (see the module
     docstring); at most `top` of them, each predicted in full."""
     whole_number(gpus, "gpus")
@@ -125,7 +126,7 @@ def search(model: GPT, hw: Hardware, gpus: int, global_batch: int, *, max_microb
     refused: dict[str, int] = {}
     candidates = []
     for s in _shapes(model, gpus, global_batch, max_microbatch, max_chunks, max_tp or hw.gpus_per_host, recompute,
-                     zero, flash_attention, refused):
+                     zero, flash_attention, refused, whole_number(max_cp, "max_cp")):
         candidates.append(_estimate(model, hw, s, dtype, overlap))
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: -c.estimated_tokens_per_second)
     plans = sorted((predict_shape(model, hw, c.shape, dtype, overlap) for c in fitting[:exact]),
@@ -134,16 +135,17 @@ def search(model: GPT, hw: Hardware, gpus: int, global_batch: int, *, max_microb
 
 
 def _shapes(model: GPT, gpus: int, batch: int, max_b: int, max_v: int, max_tp: int, recompute, zero, flash,
-            refused: dict[str, int]):
+            refused: dict[str, int], max_cp: int = 1):
     splits = (model.heads, model.groups, model.ff)  # tp must divide each
-    for tp in (t for t in _divisors(gpus) if t <= max_tp and all(n % t == 0 for n in splits)):
-        for pp in (p for p in _divisors(gpus // tp) if p <= model.layers):
-            dp = gpus // (tp * pp)
+    tps = [t for t in _divisors(gpus) if t <= max_tp and all(n % t == 0 for n in splits)]
+    for tp, cp in ((t, c) for t in tps for c in _divisors(gpus // t) if c <= max_cp and model.seq % (2 * c) == 0):
+        for pp in (p for p in _divisors(gpus // (tp * cp)) if p <= model.layers):
+            dp = gpus // (tp * cp * pp)
             chunks = [1] + ([v for v in range(2, max_v + 1) if model.layers % (pp * v) == 0] if pp > 1 else [])
             stages = [z for z in zero if (z == 0 or dp > 1) and (z < 2 or pp == 1)]
             for b, v, z, r in ((b, v, z, r) for b in _powers(max_b) for v in chunks for z in stages for r in recompute):
                 try:
-                    yield shape(model, gpus, tp, pp, batch, b, v, z, r, tp > 1, flash)
+                    yield shape(model, gpus, tp, pp, batch, b, v, z, r, tp > 1, flash, cp)
                 except DistUsageError as e:
                     reason = re.sub(r"\d+", "N", str(e).split(":")[0])  # one entry per kind of refusal
                     refused[reason] = refused.get(reason, 0) + 1

@@ -1,9 +1,12 @@
-"""A plan's shape (dp × tp × pp, micro-batches, chunks, ZeRO, recomputation), checked, and where its groups sit.
+"""A plan's shape (dp × cp × tp × pp, micro-batches, chunks, ZeRO, recomputation), checked, and where its groups
+sit.
 
-Ranks are laid out as nbdist's meshes and Megatron-LM lay them: pp outermost, then dp, tp innermost, filling
-hosts of `gpus_per_host` in rank order. So a tensor-parallel group is on one host when tp fits in it (it talks
-most), pipeline neighbours are t·d ranks apart (on different hosts as soon as t·d fills a host), and a
-data-parallel group has one member every t ranks. Which link a group's collective runs over, and how many of its
+Ranks are laid out as nbdist's meshes and Megatron-LM lay them: pp outermost, then dp, then cp (context
+parallelism: each sequence split over cp ranks), tp innermost, filling hosts of `gpus_per_host` in rank order.
+So a tensor-parallel group is on one host when tp fits in it (it talks most), a context-parallel group's members
+are t ranks apart, pipeline neighbours t·c·d ranks apart (on different hosts as soon as t·c·d fills a host), and
+the gradient-sync group (dp × cp ranks: a cp group's ranks hold the same parameters, Megatron's "dp-cp" group)
+has one member every t ranks. Which link a group's collective runs over, and how many of its
 members share a host (they share the host's network ports), follows from that.
 
 Every refusal is one line naming the numbers (DistUsageError).
@@ -36,6 +39,12 @@ class Shape:
     recompute: str
     sequence_parallel: bool
     flash_attention: bool = True
+    cp: int = 1  # context parallelism: ranks each sequence is split over
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp × cp."""
+        return self.dp * self.cp
 
     @property
     def microbatches(self) -> int:
@@ -53,11 +62,15 @@ class Shape:
     @property
     def layout(self) -> Layout:
         """The same choices as the Layout that nbdist.shard and the Trainer take."""
+        if self.cp > 1:
+            raise DistUsageError(f"cp={self.cp}: nbdist.shard and the Trainer run no context parallelism; the "
+                                 f"planner predicts it, nbdist cannot run it")
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero, schedule=self.schedule,
                       microbatches=self.microbatches, chunks=self.chunks)
 
     def describe(self) -> str:
-        extras = [f"v={self.chunks}"] if self.chunks > 1 else []
+        extras = [f"cp={self.cp}"] if self.cp > 1 else []
+        extras += [f"v={self.chunks}"] if self.chunks > 1 else []
         extras += [f"ZeRO-{self.zero}"] if self.zero else []
         extras += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         extras += ["sequence parallel"] if self.sequence_parallel and self.tp > 1 else []
@@ -68,23 +81,27 @@ class Shape:
 
 def shape(model: GPT, gpus: int, tp: int, pp: int, global_batch: int, microbatch: int = 1, chunks: int = 1,
           zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
-          flash_attention: bool = True) -> Shape:
-    """The checked shape of a plan; dp = gpus / (tp·pp)."""
+          flash_attention: bool = True, cp: int = 1) -> Shape:
+    """The checked shape of a plan; dp = gpus / (tp·cp·pp)."""
     for label, value in (("gpus", gpus), ("tp", tp), ("pp", pp), ("global_batch", global_batch),
-                         ("microbatch", microbatch), ("chunks", chunks)):
+                         ("microbatch", microbatch), ("chunks", chunks), ("cp", cp)):
         whole_number(value, label)
     one_of(zero, (0, 1, 2, 3), "ZeRO stage")
     one_of(recompute, RECOMPUTE, "recompute")
     _check_model_split(model, tp, pp, chunks)
-    if gpus % (tp * pp):
-        raise DistUsageError(f"gpus ({gpus}) must be a multiple of tp × pp = {tp} × {pp} = {tp * pp}: "
-                             f"dp = gpus / (tp·pp) must be whole")
-    dp = gpus // (tp * pp)
+    if cp > 1 and model.seq % (2 * cp):
+        raise DistUsageError(f"cp={cp} does not split the sequence of {model.seq} into 2·cp = {2 * cp} equal "
+                             f"pieces: each context-parallel rank takes two (one early, one late: causal balance)")
+    if gpus % (tp * cp * pp):
+        names, sizes = ("tp × cp × pp", f"{tp} × {cp} × {pp}") if cp > 1 else ("tp × pp", f"{tp} × {pp}")
+        raise DistUsageError(f"gpus ({gpus}) must be a multiple of {names} = {sizes} = {tp * cp * pp}: "
+                             f"dp = gpus / ({names.replace(' × ', '·')}) must be whole")
+    dp = gpus // (tp * cp * pp)
     if global_batch % (dp * microbatch):
         raise DistUsageError(f"global batch {global_batch} is not divisible by dp × microbatch = {dp} × "
                              f"{microbatch} = {dp * microbatch}: every replica runs whole micro-batches")
     s = Shape(gpus, tp, pp, dp, global_batch, microbatch, chunks, zero, recompute, bool(sequence_parallel),
-              bool(flash_attention))
+              bool(flash_attention), cp)
     _check_schedule(s)
     if zero >= 2 and pp > 1:
         raise DistUsageError(f"ZeRO-{zero} with pp={pp}: gradients (and parameters) sharded over dp while "
@@ -167,15 +184,19 @@ def _placement(members: int, hosts: int, per_host: int, hw: Hardware) -> Placeme
 
 
 def groups(s: Shape, hw: Hardware) -> dict[str, Placement]:
-    """Per kind (tp, dp, and a pipeline neighbour pair), the placement of its slowest group: the one spanning
-    most hosts with fewest members per host (tp = 6 on hosts of 8 puts every other group across two hosts)."""
-    return {kind: _placement(*worst, hw) for kind, worst in _worst_groups(s.tp, s.dp, s.pp, hw.gpus_per_host).items()}
+    """Per kind (tp, cp, dp: the gradient-sync group of dp × cp ranks, and a pipeline neighbour pair), the
+    placement of its slowest group: the one spanning most hosts with fewest members per host (tp = 6 on hosts of 8
+    puts every other group across two hosts)."""
+    worst = _worst_groups(s.tp, s.cp, s.dp, s.pp, hw.gpus_per_host)
+    return {kind: _placement(*placed, hw) for kind, placed in worst.items()}
 
 
 @lru_cache(maxsize=512)
-def _worst_groups(t: int, d: int, p: int, per_host_gpus: int) -> dict[str, tuple[int, int, int]]:
-    tp = [range(g * t, (g + 1) * t) for g in range(d * p)]
-    dp = [[stage * t * d + j * t + i for j in range(d)] for stage in range(p) for i in range(t)]
-    pp = [[i, i + t * d] for i in range(t * d)] if p > 1 else [[0]]
+def _worst_groups(t: int, c: int, d: int, p: int, per_host_gpus: int) -> dict[str, tuple[int, int, int]]:
+    stage = t * c * d  # ranks per pipeline stage
+    tp = [range(g * t, (g + 1) * t) for g in range(c * d * p)]
+    cp = [[block + i + k * t for k in range(c)] for block in range(0, stage * p, t * c) for i in range(t)]
+    dp = [[st * stage + k * t + i for k in range(c * d)] for st in range(p) for i in range(t)]
+    pp = [[i, i + stage] for i in range(stage)] if p > 1 else [[0]]
     return {kind: max((_hosts(tuple(g), per_host_gpus) for g in kind_groups), key=lambda h: (h[1], -h[2]))
-            for kind, kind_groups in (("tp", tp), ("dp", dp), ("pp", pp))}
+            for kind, kind_groups in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp))}

@@ -64,17 +64,18 @@ def rank_memory(model: GPT, s: Shape, hw: Hardware, dtype: str, rank: int) -> di
     w = state_bytes(dtype)[0]
     e = element_bytes(dtype)
     per_layer = model.activation_bytes_per_layer(s.microbatch, s.tp, s.recompute, s.sequence_parallel, e,
-                                                 s.flash_attention)
+                                                 s.flash_attention, s.cp)
     chunks = chunk_layers(model, s.pp * s.chunks)[rank::s.pp]
     held = peak_held(s.schedule, s.pp, s.microbatches, s.chunks)[rank] if s.pp > 1 else 1
     activations = held * max(chunks) * per_layer
     if s.recompute == "full":
-        activations += model.working_bytes_per_layer(s.microbatch, s.tp, s.sequence_parallel, e, s.flash_attention)
+        activations += model.working_bytes_per_layer(s.microbatch, s.tp, s.sequence_parallel, e, s.flash_attention,
+                                                     s.cp)
     return {
-        **model_states(psi, s.dp, s.zero, dtype),
+        **model_states(psi, s.replicas, s.zero, dtype),
         "gathered layers": 2 * model.layer_split_parameters() / s.tp * w if s.zero >= 3 else 0.0,  # this and next
         "activations": activations,
-        "logits": model.output_bytes(s.microbatch, s.tp) if rank == s.pp - 1 else 0.0,
+        "logits": model.output_bytes(s.microbatch, s.tp, s.cp) if rank == s.pp - 1 else 0.0,
         "reserved": hw.reserved_bytes,
     }
 

@@ -162,24 +162,26 @@ class GPT:
     # -- activations -------------------------------------------------------------------------------------------
 
     def activation_bytes_per_layer(self, micro_batch: int, tp: int, recompute: str, sequence_parallel: bool,
-                                   element_bytes: float = 2, flash_attention: bool = False) -> float:
+                                   element_bytes: float = 2, flash_attention: bool = False, cp: int = 1) -> float:
         """Bytes one block keeps for backward per micro-batch on one tensor-parallel rank (Korthikanti et al.,
         eq. 2-5), scaled from their 2-byte activations to `element_bytes`. Their 5·a·s/h term is the attention
         scores (softmax input and output, dropout mask: a·s² per sequence); a fused attention (FlashAttention)
         never stores them and keeps instead one fp32 log-sum-exp per row and head (4·a·s·b bytes), as selective
-        recomputation drops them by recomputing the attention core."""
+        recomputation drops them by recomputing the attention core. Context parallelism (`cp`) keeps s/cp of the
+        sequence's tokens on each rank; their scores still span all s keys."""
         s, b, h, a = self.seq, micro_batch, self.hidden, self.heads
+        here = s / cp  # the tokens this rank holds
         statistics = 0.0
         if recompute == "full":
-            kept = 2 * s * b * h / (tp if sequence_parallel else 1)
+            kept = 2 * here * b * h / (tp if sequence_parallel else 1)
         else:
             fused = flash_attention and recompute == "none"
             per_score = 5 if self.dropout else 2
             scores = 0.0 if recompute == "selective" or fused else per_score * a * s / (h * tp)
-            statistics = 4 * a * s * b / tp if fused else 0.0
+            statistics = 4 * a * here * b / tp if fused else 0.0
             unsplit, split = self._saved_per_token()
             whole = (unsplit + split) / tp if sequence_parallel else unsplit + split / tp
-            kept = s * b * h * (whole + scores)
+            kept = here * b * h * (whole + scores)
         return kept * element_bytes / 2 + statistics
 
     def _saved_per_token(self) -> tuple[float, float]:
@@ -190,14 +192,15 @@ class GPT:
         return unsplit, 4 + 4 * r + (6 if self.gated else 4) * f
 
     def working_bytes_per_layer(self, micro_batch: int, tp: int, sequence_parallel: bool,
-                                element_bytes: float = 2, flash_attention: bool = False) -> float:
+                                element_bytes: float = 2, flash_attention: bool = False, cp: int = 1) -> float:
         """Bytes of one block's full activations: what a block being recomputed (or run) holds at once."""
         return self.activation_bytes_per_layer(micro_batch, tp, "none", sequence_parallel, element_bytes,
-                                               flash_attention)
+                                               flash_attention, cp)
 
-    def output_bytes(self, micro_batch: int, tp: int) -> float:
-        """The loss's working memory on the last stage: fp32 logits of the rank's vocabulary slice (4·s·b·V/t)."""
-        return 4 * self.seq * micro_batch * self.padded_vocab(tp) / tp
+    def output_bytes(self, micro_batch: int, tp: int, cp: int = 1) -> float:
+        """The loss's working memory on the last stage: fp32 logits of the rank's vocabulary slice for its s/cp
+        tokens (4·s·b·V/(t·cp))."""
+        return 4 * self.seq / cp * micro_batch * self.padded_vocab(tp) / tp
 
     def describe(self) -> str:
         name = f"{self.name}: " if self.name else ""

@@ -30,6 +30,10 @@ Grouped-query attention narrows k and v to kv_width = kv_heads·hd columns (the 
 attention dropout kernel and the masks go, and the adds move three tensors; without learned positions the
 embedding is a lookup (read and write T·h).
 
+Context parallelism (`cp`) gives each rank s/cp of every sequence's tokens: every token-wise kernel runs on T/cp
+tokens, the score kernels on its s/cp queries against all s keys (the k and v of the other ranks arrive over the
+ring: step.py prices that).
+
 With FlashAttention (Dao et al. 2022; `flash_attention=True`) the four score kernels are one that never writes
 the scores: it reads q, k, v and writes the output. With sequence parallelism the LayerNorms, dropouts and adds
 run on T/t tokens. The backward of every kernel costs twice its forward (two products per matmul; the gradient
@@ -64,10 +68,10 @@ def _matmul(name: str, rows: float, inner: float, cols: float, e: float) -> Kern
 
 
 def block_kernels(model: GPT, micro_batch: int, tp: int, sequence_parallel: bool, e: float,
-                  flash_attention: bool) -> list[Kernel]:
-    """One block's forward kernels on one of tp ranks, for a micro-batch of `micro_batch` sequences."""
+                  flash_attention: bool, cp: int = 1) -> list[Kernel]:
+    """One block's forward kernels on one of tp (× cp) ranks, for a micro-batch of `micro_batch` sequences."""
     s, h, t, ff = model.seq, model.hidden, tp, model.ff
-    tokens = micro_batch * s
+    tokens = micro_batch * s / cp
     whole = tokens / t if sequence_parallel else tokens  # tokens the replicated element-wise kernels touch
     mask = MASK_BYTES if model.dropout else 0.0
     norm = Kernel("LayerNorm" if model.norm == "layernorm" else "RMSNorm", 0.0, 2 * e * whole * h, False)
@@ -78,37 +82,40 @@ def block_kernels(model: GPT, micro_batch: int, tp: int, sequence_parallel: bool
     else:
         mlp = [_matmul("mlp fc", tokens, h, ff / t, e), Kernel("bias+GeLU", 0.0, 2 * e * tokens * ff / t, False)]
     qkv = _matmul("q, k, v", tokens, h, (h + 2 * model.kv_width) / t, e)
-    attention = attention_kernels(model, micro_batch, tp, e, flash_attention)
+    attention = attention_kernels(model, micro_batch, tp, e, flash_attention, cp)
     out = _matmul("attention out", tokens, h / t, h, e)
     return [norm, qkv, *attention, out, residual, norm, *mlp, _matmul("mlp proj", tokens, ff / t, h, e), residual]
 
 
-def attention_kernels(model: GPT, micro_batch: int, tp: int, e: float, flash_attention: bool) -> list[Kernel]:
-    """The attention core: scores, softmax, dropout, weighted values (or one FlashAttention kernel)."""
+def attention_kernels(model: GPT, micro_batch: int, tp: int, e: float, flash_attention: bool,
+                      cp: int = 1) -> list[Kernel]:
+    """The attention core: scores, softmax, dropout, weighted values (or one FlashAttention kernel); with cp > 1
+    this rank's s/cp queries against all s keys."""
     s, h, t = model.seq, model.hidden, tp
-    tokens, heads, kv = micro_batch * s, model.heads / t, model.kv_width
+    queries, keys = micro_batch * s / cp, micro_batch * s  # tokens: this rank's, and all the sequence's
+    heads, kv = model.heads / t, model.kv_width
     head_dim = h / model.heads
-    product_flops = 2 * heads * micro_batch * s * s * head_dim
+    product_flops = 2 * heads * queries * s * head_dim
     if flash_attention:
-        return [Kernel("flash attention", 2 * product_flops, 2 * e * tokens * (h + kv) / t, True)]
-    scores = heads * micro_batch * s * s
+        return [Kernel("flash attention", 2 * product_flops, 2 * e * (queries * h + keys * kv) / t, True)]
+    scores = heads * queries * s
     dropout = [Kernel("attention dropout", 0.0, (2 * e + MASK_BYTES) * scores, False)] if model.dropout else []
-    return [Kernel("scores q·kᵀ", product_flops, e * (tokens * (h + kv) / t + scores), True),
+    return [Kernel("scores q·kᵀ", product_flops, e * ((queries * h + keys * kv) / t + scores), True),
             Kernel("softmax", 0.0, 2 * e * scores, False), *dropout,
-            Kernel("probabilities · v", product_flops, e * (scores + tokens * (kv + h) / t), True)]
+            Kernel("probabilities · v", product_flops, e * (scores + (keys * kv + queries * h) / t), True)]
 
 
-def first_kernels(model: GPT, micro_batch: int, tp: int, e: float) -> list[Kernel]:
+def first_kernels(model: GPT, micro_batch: int, tp: int, e: float, cp: int = 1) -> list[Kernel]:
     """The first chunk's extra: the embedding lookup, plus learned positions and dropout where the model has them."""
-    tokens = micro_batch * model.seq
+    tokens = micro_batch * model.seq / cp
     moved = 3 * e + MASK_BYTES if model.positions == "learned" or model.dropout else 2 * e
     return [Kernel("embedding", 0.0, moved * tokens * model.hidden, False)]
 
 
-def last_kernels(model: GPT, micro_batch: int, tp: int, e: float) -> list[Kernel]:
+def last_kernels(model: GPT, micro_batch: int, tp: int, e: float, cp: int = 1) -> list[Kernel]:
     """The last chunk's extra: the final norm, the logits of the rank's slice of the (padded) vocabulary, and the
     fp32 softmax cross-entropy over them (read the logits, write fp32 probabilities)."""
-    tokens, h = micro_batch * model.seq, model.hidden
+    tokens, h = micro_batch * model.seq / cp, model.hidden
     vocab = model.padded_vocab(tp) / tp
     return [Kernel("final norm", 0.0, 2 * e * tokens * h, False), _matmul("logits", tokens, h, vocab, e),
             Kernel("cross-entropy", 0.0, (e + 4) * tokens * vocab, False)]

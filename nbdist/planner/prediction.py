@@ -21,8 +21,9 @@ from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import PipelineRun
 from nbdist.units import format_bytes
 
-TIME_TERMS = ("matmul", "element-wise", "recomputation", "tensor-parallel all-reduces", "ZeRO collectives (exposed)",
-              "pipeline sends (blocking)", "pipeline bubble and messages", "data-parallel sync (exposed)", "all-gather of updated weights",
+TIME_TERMS = ("matmul", "element-wise", "recomputation", "tensor-parallel all-reduces",
+              "context-parallel k/v ring (exposed)", "ZeRO collectives (exposed)", "pipeline sends (blocking)",
+              "pipeline bubble and messages", "data-parallel sync (exposed)", "all-gather of updated weights",
               "tied embedding sync", "optimizer")
 
 
@@ -76,6 +77,7 @@ class Prediction:
             "element-wise": total(lambda k: k.elementwise_forward + k.elementwise_backward),
             "recomputation": total(lambda k: k.recompute),
             "tensor-parallel all-reduces": total(lambda k: k.tp_forward + k.tp_backward),
+            "context-parallel k/v ring (exposed)": total(lambda k: k.cp_forward + k.cp_backward),
             "pipeline sends (blocking)": total(lambda k: k.send_forward + k.send_backward),
         }
         rest = busy - sum(time.values())  # what ZeRO-2/3's collectives add beyond the compute they run beneath
@@ -172,14 +174,15 @@ class Prediction:
 def predict(model: GPT, hw: Hardware, gpus: int, tp: int = 1, pp: int = 1, *, global_batch: int,
             microbatch: int = 1, chunks: int = 1, zero: int = 0, recompute: str = "none",
             sequence_parallel: bool = False, flash_attention: bool = True, dtype: str | None = None,
-            overlap: bool = True) -> Prediction:
-    """The predicted step of `model` on `gpus` accelerators of `hw` with dp = gpus / (tp·pp) (see the module
-    docstring). Impossible plans are refused in one line (DistUsageError); a plan that does not fit in memory is
-    predicted anyway, with `fits` False and `reason` saying why."""
+            overlap: bool = True, cp: int = 1) -> Prediction:
+    """The predicted step of `model` on `gpus` accelerators of `hw` with dp = gpus / (tp·cp·pp) (see the module
+    docstring; `cp`: context parallelism, each sequence split over cp ranks). Impossible plans are refused in one
+    line (DistUsageError); a plan that does not fit in memory is predicted anyway, with `fits` False and `reason`
+    saying why."""
     dtype = dtype or hw.dtype
     one_of(dtype, tuple(hw.peak_flops), f"dtype for {hw.name}")
     s = shape(model, gpus, tp, pp, global_batch, microbatch, chunks, zero, recompute, sequence_parallel,
-              flash_attention)
+              flash_attention, cp)
     return predict_shape(model, hw, s, dtype, overlap)
 
 

@@ -13,8 +13,27 @@ compared with.
   126, 121 and 113 TFLOP/s per GPU (iterations of 60.1, 50.2 and 44.4 s; Megatron's FLOPs formula gives those
   figures from those times). DeepSpeed's pipeline (1F1B, no interleaving), micro-batch 1.
 
-Both ran before FlashAttention and without overlapping the data-parallel gradient reduction with the backward:
-every row is predicted with flash_attention=False and overlap=False.
+- Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023 (arXiv
+  2205.05198): 22 B, 175 B, 530 B and 1 T GPT models on Selene (the same A100 80 GB nodes), tp = 8, one replica
+  (dp = 1), sequence 2,048, vocabulary 51,200; Table 3 gives the configurations (heads/hidden/layers 64/6144/48,
+  96/12288/96, 128/20480/105, 160/25600/128; pp 1, 8, 35, 64; GPUs 8, 64, 280, 512; global batch 4, 64, 280,
+  512; micro-batch 4, 1, 1, 1), Table 5 the iteration times: full recomputation 1.42, 18.13, 49.05, 94.42 s;
+  sequence parallelism + selective recomputation ("present work") 1.10, 13.75, 37.83, 71.49 s, for a
+  model-FLOPs utilisation of 41.5, 51.4, 56.0, 56.3 % (Megatron's 72-formula over 312 TFLOP/s per GPU gives
+  those figures from those times, to 0.2 point). Assumed where the paper is silent: the non-interleaved 1F1B
+  schedule, the full-recomputation rows without sequence parallelism (the paper's baseline: tensor parallelism
+  with full recomputation).
+
+These three ran before FlashAttention and without overlapping the data-parallel gradient reduction with the
+backward: their rows are predicted with flash_attention=False and overlap=False.
+
+- Llama 3 405B, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4, on H100 80 GB (the h100-sxm profile):
+  126 layers, hidden 16,384, 128 heads, 8 k/v heads, SwiGLU 53,248, vocabulary 128,256; tp = 8, pp = 16, 16 M
+  tokens a batch; 8,192 GPUs (cp = 1, sequence 8,192) 430 TFLOP/s per GPU, 16,384 GPUs 400, 16,384 GPUs with
+  cp = 16 (sequence 131,072) 380. Shown, not counted: the paper gives neither the chunks per rank of its
+  interleaved schedule nor its recomputation, and the prediction moves by 25-35 % between v = 1 and v = 2.
+  Assumed: v = 1, no recomputation, FlashAttention, sequence parallelism, the optimizer state sharded over the
+  data-parallel ranks (ZeRO-1: Meta shards it with FSDP), the gradient reduction overlapped.
 """
 from __future__ import annotations
 
@@ -22,11 +41,15 @@ from dataclasses import dataclass
 
 from nbdist.cost.hardware import Hardware
 from nbdist.planner.catalog import hardware
-from nbdist.planner.model import GPT, gpt
+from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
 MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3"
+KORTHIKANTI = "Korthikanti et al. (arXiv 2205.05198), Tables 3 and 5"
+LLAMA3 = "Llama 3 (arXiv 2407.21783), Table 4"
+A100_PEAK_TFLOPS = 312.0  # dense bf16/fp16, what the papers' utilisation figures divide by
+H100_PEAK_TFLOPS = 989.0
 
 
 @dataclass(frozen=True)
@@ -42,15 +65,33 @@ class Run:
     published_tflops: float
     microbatch: int = 1
     chunks: int = 1
+    recompute: str = "full"
+    sequence_parallel: bool = False
+    cp: int = 1
+    zero: int = 0
+    modern: bool = False  # FlashAttention and the gradient reduction overlapped (2023 and later); else neither
 
     @property
     def label(self) -> str:
-        return f"{self.model.parameters / 1e9:.1f} B on {self.gpus}"
+        setting = "" if self.source != KORTHIKANTI else (", SP + selective" if self.sequence_parallel else ", full")
+        setting += f", cp={self.cp}" if self.cp > 1 else ""
+        return f"{self.model.parameters / 1e9:.1f} B on {self.gpus}{setting}"
 
     def predict(self, hw: Hardware) -> Prediction:
         return predict(self.model, hw, gpus=self.gpus, tp=self.tp, pp=self.pp, global_batch=self.global_batch,
-                       microbatch=self.microbatch, chunks=self.chunks, recompute="full", flash_attention=False,
-                       overlap=False)
+                       microbatch=self.microbatch, chunks=self.chunks, recompute=self.recompute,
+                       sequence_parallel=self.sequence_parallel, flash_attention=self.modern, overlap=self.modern,
+                       cp=self.cp, zero=self.zero)
+
+    def published_mfu(self) -> float:
+        """The paper's figure as model-FLOPs utilisation (Megatron's formula without recomputation / peak)."""
+        return self.published_tflops * self.model.model_flops_per_iteration(self.global_batch) / (
+            self.model.flops_per_iteration(self.global_batch, self.recompute) * self.peak_tflops)
+
+    @property
+    def peak_tflops(self) -> float:
+        """The dense 16-bit peak the paper's utilisation divides by: A100 312, H100 SXM 989."""
+        return H100_PEAK_TFLOPS if self.source == LLAMA3 else A100_PEAK_TFLOPS
 
 
 def interleaving(layers: int, pp: int) -> int:
@@ -84,6 +125,35 @@ MT_NLG = [Run(MTNLG, _MTNLG_MODEL, nodes * 8, 8, 35, 1920, tflops) for nodes, tf
                                                                                          (420, 113))]
 
 
+def _korthikanti(heads: int, hidden: int, layers: int, pp: int, gpus: int, batch: int, micro: int,
+                 seconds: float, selective: bool) -> Run:
+    """One of Table 5's runs: its iteration time as the TFLOP/s per GPU the GPUs executed (recomputation
+    included, as every row here counts)."""
+    model = gpt(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=51200)
+    recompute = "selective" if selective else "full"
+    tflops = model.flops_per_iteration(batch, recompute) / seconds / gpus / 1e12
+    return Run(KORTHIKANTI, model, gpus, 8, pp, batch, tflops, micro, 1, recompute, selective)
+
+
+KORTHIKANTI_SIZES = [  # heads, hidden, layers, pp, GPUs, global batch, micro-batch; Table 5's seconds: full, present
+    ((64, 6144, 48, 1, 8, 4, 4), (1.42, 1.10)),
+    ((96, 12288, 96, 8, 64, 64, 1), (18.13, 13.75)),
+    ((128, 20480, 105, 35, 280, 280, 1), (49.05, 37.83)),
+    ((160, 25600, 128, 64, 512, 512, 1), (94.42, 71.49)),
+]
+KORTHIKANTI_RUNS = [_korthikanti(*sizes, seconds, selective) for sizes, times in KORTHIKANTI_SIZES
+                    for seconds, selective in zip(times, (False, True))]
+
+
+def _llama3(gpus: int, cp: int, seq: int, tflops: float) -> Run:
+    model = llama(126, 16384, 128, 8, 53248, seq=seq, vocab=128256, name="Llama 3 405B")
+    return Run(LLAMA3, model, gpus, 8, 16, 16 * 2**20 // seq, tflops, recompute="none", sequence_parallel=True,
+               cp=cp, zero=1, modern=True)
+
+
+LLAMA3_RUNS = [_llama3(8192, 1, 8192, 430), _llama3(16384, 1, 8192, 400), _llama3(16384, 16, 131072, 380)]
+
+
 def reproduce(runs: list[Run] | None = None, hw: Hardware | None = None) -> list[dict]:
     """Per run: its configuration, the predicted and published TFLOP/s per GPU, their ratio, the memory per GPU
     and whether it fits (default: Table 1 on the a100-80gb profile)."""
@@ -92,11 +162,11 @@ def reproduce(runs: list[Run] | None = None, hw: Hardware | None = None) -> list
     for run in TABLE1 if runs is None else runs:
         p = run.predict(hw)
         rows.append({"run": run.label, "source": run.source, "parameters": run.model.parameters, "gpus": run.gpus,
-                     "tp": run.tp, "pp": run.pp, "dp": p.shape.dp, "chunks": run.chunks,
+                     "tp": run.tp, "pp": run.pp, "dp": p.shape.dp, "cp": run.cp, "chunks": run.chunks,
                      "global batch": run.global_batch, "predicted": p.tflops_per_gpu,
                      "published": run.published_tflops, "ratio": p.tflops_per_gpu / run.published_tflops,
                      "memory": p.memory_per_gpu, "fits": p.fits, "bubble": p.pipeline.bubble_fraction,
-                     "prediction": p})
+                     "mfu": p.mfu, "published mfu": run.published_mfu(), "prediction": p})
     return rows
 
 

@@ -9,7 +9,12 @@ Per micro-batch and model chunk (one tensor-parallel rank's share of its layers)
 - tensor parallelism: 2 all-reduces of the micro-batch's activation (s·b·h elements) per block in the forward, 2
   in the backward, 2 more when the forward is recomputed (Megatron-LM, arXiv 1909.08053); the first chunk adds
   the vocabulary-parallel embedding's. Ring-priced on the link the tp group spans; not overlapped with compute.
-- pipeline: one message per micro-batch and chunk boundary, s·b·h elements; across hosts each tp rank sends its
+- context parallelism (cp > 1, Megatron-core's ring attention): each rank holds s/cp of every sequence, so every
+  token-wise term above is /cp; per block, the k and v of the other cp - 1 ranks pass around the ring (cp - 1
+  steps of this rank's 2·b·(s/cp)·kv_width/t elements) under the attention core's compute, and only what sticks
+  out is charged; the backward passes k and v again with their gradients (twice the forward's bytes), a
+  recomputed forward passes them once more. The gradient sync spans dp × cp ranks (they hold the same weights).
+- pipeline: one message per micro-batch and chunk boundary, s·b·h/cp elements; across hosts each tp rank sends its
   1/t over its own port and the tp group all-gathers it on the host (Megatron-LM's scatter/gather). The schedule
   simulator (pipeline.py) plays the step with these durations: its makespan holds the bubble and the waits.
 - ZeRO-2/3 (pp = 1): per micro-batch a reduce-scatter of the gradients (and for ZeRO-3 an all-gather of the
@@ -55,6 +60,8 @@ class ChunkTime:
     overlap: bool
     send_forward: float = 0.0  # blocking pipeline sends (overlap=False): this chunk's activation to the next
     send_backward: float = 0.0  # and its input gradient to the previous
+    cp_forward: float = 0.0  # context parallelism's k/v ring, what its attention compute does not hide
+    cp_backward: float = 0.0
 
     @property
     def compute_forward(self) -> float:
@@ -66,11 +73,13 @@ class ChunkTime:
 
     @property
     def forward(self) -> float:
-        return _with(self.compute_forward + self.tp_forward, self.zero_forward, self.overlap) + self.send_forward
+        return (_with(self.compute_forward + self.tp_forward + self.cp_forward, self.zero_forward, self.overlap)
+                + self.send_forward)
 
     @property
     def backward(self) -> float:
-        return _with(self.compute_backward + self.tp_backward, self.zero_backward, self.overlap) + self.send_backward
+        return (_with(self.compute_backward + self.tp_backward + self.cp_backward, self.zero_backward, self.overlap)
+                + self.send_backward)
 
 
 def _with(compute: float, comm: float, overlap: bool) -> float:
@@ -95,7 +104,7 @@ def costs(model: GPT, s: Shape, hw: Hardware, dtype: str, overlap: bool) -> Cost
     """Every term of the step except the pipeline's simulated makespan."""
     where = groups(s, hw)
     e = memory.element_bytes(dtype)
-    activation = s.microbatch * model.seq * model.hidden * e
+    activation = s.microbatch * model.seq / s.cp * model.hidden * e
     layers = memory.chunk_layers(model, s.pp * s.chunks)
     chunks = [_chunk(model, s, hw, dtype, where, n, k == 0, k == len(layers) - 1, overlap)
               for k, n in enumerate(layers)]
@@ -108,7 +117,7 @@ def costs(model: GPT, s: Shape, hw: Hardware, dtype: str, overlap: bool) -> Cost
     dp = where["dp"]
     after = [data_parallel.after_backward(s.zero, p * g, p * w, dp.all_reduce, dp.gather) for p in psi]
     dp_sync, dp_gather = max(reduce for reduce, _ in after), max(gather for _, gather in after)
-    shards = s.dp if s.zero >= 1 else 1
+    shards = s.replicas if s.zero >= 1 else 1
     optimizer = max(psi) / shards * ADAM_BYTES_PER_PARAMETER / hw.streaming_bandwidth()
     return Costs(chunks, message, dp_sync, dp_gather, _embedding_sync(model, s, hw, g),
                  optimizer, where)
@@ -117,19 +126,31 @@ def costs(model: GPT, s: Shape, hw: Hardware, dtype: str, overlap: bool) -> Cost
 def _chunk(model: GPT, s: Shape, hw: Hardware, dtype: str, where: dict[str, Placement], layers: int, first: bool,
            last: bool, overlap: bool) -> ChunkTime:
     e = memory.element_bytes(dtype)
-    block = ops.block_kernels(model, s.microbatch, s.tp, s.sequence_parallel, e, s.flash_attention)
-    kernels = layers * block + (ops.first_kernels(model, s.microbatch, s.tp, e) if first else []) + (
-        ops.last_kernels(model, s.microbatch, s.tp, e) if last else [])
+    block = ops.block_kernels(model, s.microbatch, s.tp, s.sequence_parallel, e, s.flash_attention, s.cp)
+    kernels = layers * block + (ops.first_kernels(model, s.microbatch, s.tp, e, s.cp) if first else []) + (
+        ops.last_kernels(model, s.microbatch, s.tp, e, s.cp) if last else [])
     matmul_f, elementwise_f = _seconds(kernels, hw, dtype, True), _seconds(kernels, hw, dtype, False)
-    again = {"none": [], "full": block,
-             "selective": ops.attention_kernels(model, s.microbatch, s.tp, e, s.flash_attention)}[s.recompute]
+    attention = ops.attention_kernels(model, s.microbatch, s.tp, e, s.flash_attention, s.cp)
+    again = {"none": [], "full": block, "selective": attention}[s.recompute]
     recompute = layers * sum(k.seconds(hw.matmul_flops(dtype), hw.streaming_bandwidth()) for k in again)
-    tp = where["tp"].all_reduce(s.microbatch * model.seq * model.hidden * e)
+    tp = where["tp"].all_reduce(s.microbatch * model.seq / s.cp * model.hidden * e)
     tp_f = (2 * layers + (1 if first else 0)) * tp
     tp_b = (4 if s.recompute == "full" else 2) * layers * tp
     zero_f, zero_b = _zero_per_microbatch(model, s, dtype, where["dp"])
+    cp_f, cp_b = _context_exchange(model, s, where["cp"], e, _seconds(attention, hw, dtype, True))
     return ChunkTime(matmul_f, 2 * matmul_f, elementwise_f, 2 * elementwise_f, recompute, tp_f, tp_b, zero_f,
-                     zero_b, overlap)
+                     zero_b, overlap, cp_forward=layers * cp_f,
+                     cp_backward=layers * (cp_b + (cp_f if s.recompute != "none" else 0.0)))
+
+
+def _context_exchange(model: GPT, s: Shape, cp: Placement, e: float, attention: float) -> tuple[float, float]:
+    """(forward, backward) seconds per block of context parallelism's ring that the attention core's compute
+    (`attention`: its matmul seconds, forward) does not hide: cp - 1 steps, each passing one rank's k and v."""
+    if s.cp == 1:
+        return 0.0, 0.0
+    piece = 2 * s.microbatch * model.seq / s.cp * model.kv_width / s.tp * e
+    ring = (s.cp - 1) * (cp.link.latency + piece / cp.bandwidth)
+    return max(0.0, ring - attention), max(0.0, 2 * ring - 2 * attention)
 
 
 def _seconds(kernels: list[ops.Kernel], hw: Hardware, dtype: str, matmul: bool) -> float:
@@ -168,7 +189,7 @@ def _embedding_sync(model: GPT, s: Shape, hw: Hardware, grad_bytes: float) -> fl
     layer has no copy to keep equal)."""
     if s.pp == 1 or not model.tied:
         return 0.0
-    pair = place([0, (s.pp - 1) * s.tp * s.dp], hw)
+    pair = place([0, (s.pp - 1) * s.tp * s.cp * s.dp], hw)
     return pair.all_reduce(model.padded_vocab(s.tp) * model.hidden / s.tp * grad_bytes)
 
 
