@@ -1,6 +1,7 @@
 """nbdist as a person meets it: JupyterLab in a real browser (headless Chromium), cells run one by one.
 
-Two trials, each run once per module and then checked claim by claim:
+Three trials, each run once per module and then checked claim by claim (the third, the cluster planner's widget
+moved through a change, an impossible plan and back, is at the end of the file):
 - the quickstart, Shift+Enter through every cell: its figure draws, no cell fails, the console stays clean;
 - the stepper: a 2-stage 1F1B pipeline of 8 x (Linear(64, 64), ReLU) with 4 micro-batches of 8192 rows (each action
   computes for about 7 ms, so the bubble is the schedule's, not a scheduler hiccup's), Step x3 with pauses
@@ -38,6 +39,8 @@ from browser import (
     screenshot,
     wait_for,
 )
+
+from nbdist.errors import DistUsageError
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 READING_PAUSE = 3.0  # seconds a person spends reading between two clicks
@@ -414,3 +417,137 @@ def test_stepper_console_has_no_errors(stepper):
 
 def test_stepper_leaves_nothing_behind(stepper):
     assert stepper.leftovers == Leftovers(), stepper.leftovers
+
+
+# -- the cluster planner's widget ------------------------------------------------------------------------------------
+
+PLANNER_MODEL = "GPT 145.6 B (80 layers, 12288)"
+PLANNER_PLAN = dict(gpus=1536, tp=8, pp=8, global_batch=2304, chunks=2, recompute="full", sequence_parallel=False,
+                    flash_attention=False)  # the widget's defaults
+PLANNER_STATE_JS = """
+out => {
+  const shown = el => el.offsetParent !== null && el.getBoundingClientRect().width > 0;
+  const live = el => shown(el) && el.closest('.jupyter-widgets') !== null;
+  const status = Array.from(out.querySelectorAll('.nbdist-cluster-planner')).filter(live);
+  const refusal = Array.from(out.querySelectorAll('.nbdist-refusal')).filter(live);
+  return {statuses: status.length, status: status.length ? status[0].textContent : '',
+          step: status.length && status[0].dataset.stepS ? parseFloat(status[0].dataset.stepS) : null,
+          refusal: refusal.length ? refusal[0].innerText : '',
+          static_shown: Array.from(out.querySelectorAll('.nbdist-static-copy')).filter(shown).length};
+}
+"""
+
+
+@dataclass
+class PlannerState:
+    """What the planner widget showed after one move of a control."""
+
+    move: str
+    status: str
+    step: float | None
+    refusal: str
+    plots: list[dict]  # the figures shown in the widget: title, drawn
+    statuses: int  # visible status lines: 1 when the view shows once
+    static_shown: int
+
+
+@dataclass
+class PlannerRun:
+    states: list[PlannerState]
+    console_errors: list[str]
+    seconds: float
+
+
+def _planner_state(output, move: str) -> PlannerState:
+    seen = output.evaluate(PLANNER_STATE_JS)
+    plots = [{"title": str(p["title"]), "drawn": is_drawn(p)} for p in measure_plots(output)
+             if p["shown"] and p["in_widget"]]
+    return PlannerState(move, seen["status"], seen["step"], seen["refusal"], plots, seen["statuses"],
+                        seen["static_shown"])
+
+
+def _slide(page, output, label: str, key: str, presses: int) -> None:
+    """Move a slider as a person does with the keyboard: focus its handle, press an arrow key."""
+    slider = output.locator(".widget-slider").filter(has_text=label)
+    slider.locator(".noUi-handle").first.focus()
+    for _ in range(presses):
+        page.keyboard.press(key)
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def planner_trial(lab, browser) -> PlannerRun:
+    """The widget of notebook 40's section 5, moved through a change of recomputation, an impossible tp, back,
+    and a context-parallel plan; after each move, what it shows once the kernel has answered."""
+    started = time.monotonic()
+    code = "from nbdist.planner.widget import ClusterPlannerView\nview = ClusterPlannerView()\nview"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "planner_trial.ipynb")
+    with trial_page(lab, browser) as page:
+        notebook = LabNotebook(lab, page, "planner_trial.ipynb")
+        notebook.run_cell(0, timeout=120)
+        output = notebook.output(0)
+        moves = [
+            ("shown", lambda: None, lambda s: s.step is not None and len(s.plots) == 2),
+            ("recompute: selective", lambda: output.locator(".widget-dropdown").filter(has_text="recompute")
+             .locator("select").select_option("selective"), lambda s: s.step is not None and len(s.plots) == 2),
+            ("t: 8 -> 5", lambda: _slide(page, output, "t (tensor)", "ArrowLeft", 3), lambda s: "tp=5" in s.refusal),
+            ("t: 5 -> 8", lambda: _slide(page, output, "t (tensor)", "ArrowRight", 3),
+             lambda s: not s.refusal and len(s.plots) == 2),
+            ("c: 1 -> 2", lambda: _slide(page, output, "c (context)", "ArrowRight", 1), lambda s: "c 2" in s.status),
+        ]
+        states = []
+        for move, act, settled in moves:
+            before = _planner_state(output, move).status
+            act()
+            wait_for(lambda: _planner_state(output, move).status != before or move == "shown", 20)
+            wait_for(notebook.idle, 60)
+            wait_for(lambda: settled(_planner_state(output, move)) and all(
+                p["drawn"] for p in _planner_state(output, move).plots), 20)
+            time.sleep(0.5)  # plotly's own transitions
+            states.append(_planner_state(output, move))
+            screenshot(notebook.cells.nth(0), f"planner-{len(states)}-{re.sub(r'[^a-z0-9]+', '-', move.lower())}")
+        lab.shutdown_kernels()
+    run = PlannerRun(states, list(page.console_errors), time.monotonic() - started)
+    _record(run, "planner")
+    return run
+
+
+def _predicted(**changes):
+    from nbdist import planner
+    from nbdist.planner.widget import MODELS
+
+    return planner.predict(MODELS[PLANNER_MODEL], planner.hardware("a100-80gb"), **{**PLANNER_PLAN, **changes})
+
+
+def test_planner_widget_replans_and_redraws_when_a_control_moves(planner_trial):
+    shown, selective = planner_trial.states[0], planner_trial.states[1]
+    assert shown.step == pytest.approx(_predicted().step_seconds, rel=1e-5)
+    expected = _predicted(recompute="selective")
+    assert selective.step == pytest.approx(expected.step_seconds, rel=1e-5), selective
+    assert selective.step < shown.step  # less recomputation, a shorter step
+    titles = [p["title"] for p in selective.plots]
+    assert any(f"step {expected.step_seconds:.4g} s" in t for t in titles), titles  # the breakdown redrew
+    assert all(p["drawn"] for state in planner_trial.states for p in state.plots)
+
+
+def test_planner_widget_says_in_one_line_why_a_plan_is_impossible(planner_trial):
+    refused = planner_trial.states[2]
+    with pytest.raises(DistUsageError) as why:
+        _predicted(recompute="selective", tp=5, gpus=5 * 8 * 24)
+    assert refused.refusal == str(why.value) and "\n" not in refused.refusal
+    assert refused.step is None and refused.plots == [] and "refused" in refused.status
+
+
+def test_planner_widget_comes_back_and_plans_context_parallelism(planner_trial):
+    back, context = planner_trial.states[3], planner_trial.states[4]
+    assert back.step == pytest.approx(planner_trial.states[1].step, rel=1e-9) and not back.refusal
+    expected = _predicted(recompute="selective", cp=2, gpus=2 * 1536)
+    assert context.step == pytest.approx(expected.step_seconds, rel=1e-5), context
+    assert "3072 GPUs = t 8 × c 2 × p 8 × d 24" in context.status
+
+
+def test_planner_widget_shows_once_and_the_console_stays_clean(planner_trial):
+    assert all(s.statuses == 1 and s.static_shown == 0 for s in planner_trial.states), planner_trial.states
+    assert planner_trial.console_errors == []

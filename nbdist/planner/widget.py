@@ -33,7 +33,7 @@ MODELS: dict[str, GPT] = {  # Megatron-LM's Table 1 sizes (arXiv 2104.04473), GP
     "Llama 3 8 B (32 layers, 4096, GQA 8)": llama(32, 4096, 32, 8, 14336),
     "Llama 3 70 B (80 layers, 8192, GQA 8)": llama(80, 8192, 64, 8, 28672),
 }
-CONTROLS = ("model", "hardware", "tp", "pp", "dp", "chunks", "microbatch", "global_batch", "zero", "recompute",
+CONTROLS = ("model", "hardware", "tp", "cp", "pp", "dp", "chunks", "microbatch", "global_batch", "zero", "recompute",
             "sequence_parallel", "flash_attention")
 
 
@@ -47,7 +47,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
     def __init__(self, model: str | GPT = "GPT 145.6 B (80 layers, 12288)", hw: str = "a100-80gb", tp: int = 8,
                  pp: int = 8, dp: int = 24, chunks: int = 2, microbatch: int = 1, global_batch: int = 2304,
                  zero: int = 0, recompute: str = "full", sequence_parallel: bool = False,
-                 flash_attention: bool = False):
+                 flash_attention: bool = False, cp: int = 1):
         self.models = dict(MODELS)
         if isinstance(model, GPT):
             self.models[model.name or "your model"] = model
@@ -56,7 +56,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
         self.refusal: str | None = None
         self._figures: list = []
         self._make_controls(model, hw, tp, pp, dp, chunks, microbatch, global_batch, zero, recompute,
-                            sequence_parallel, flash_attention)
+                            sequence_parallel, flash_attention, cp)
         self.memory, self.time = PlotlyFigure(), PlotlyFigure()
         self.status, self.refusal_line = widgets.HTML(), widgets.HTML()
         self.widget = widgets.VBox([*self._rows(), self.status, self.refusal_line, self.memory, self.time])
@@ -64,11 +64,13 @@ class ClusterPlannerView(Controls, WithStaticCopy):
 
     # -- controls ------------------------------------------------------------------------------------------------
 
-    def _make_controls(self, model, hw, tp, pp, dp, chunks, microbatch, global_batch, zero, recompute, sp, flash):
+    def _make_controls(self, model, hw, tp, pp, dp, chunks, microbatch, global_batch, zero, recompute, sp, flash,
+                       cp):
         wide = {"description_width": "initial"}
         self.model = widgets.Dropdown(options=list(self.models), value=model, description="model", style=wide)
         self.hardware = widgets.Dropdown(options=[*PROFILES, "local"], value=hw, description="GPU", style=wide)
         self.tp = widgets.IntSlider(value=tp, min=1, max=16, description="t (tensor)", style=wide)
+        self.cp = widgets.IntSlider(value=cp, min=1, max=32, description="c (context)", style=wide)
         self.pp = widgets.IntSlider(value=pp, min=1, max=128, description="p (pipeline)", style=wide)
         self.dp = widgets.IntSlider(value=dp, min=1, max=1024, description="d (data)", style=wide)
         self.chunks = widgets.IntSlider(value=chunks, min=1, max=8, description="v (chunks)", style=wide)
@@ -87,7 +89,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
 
     def _rows(self) -> list[widgets.HBox]:
         return [widgets.HBox([self.model, self.hardware, self.global_batch]),
-                widgets.HBox([self.tp, self.pp, self.dp]), widgets.HBox([self.chunks, self.microbatch]),
+                widgets.HBox([self.tp, self.pp, self.dp]), widgets.HBox([self.cp, self.chunks, self.microbatch]),
                 widgets.HBox([self.zero, self.recompute, self.sequence_parallel, self.flash_attention])]
 
     def _on_change(self, _change) -> None:
@@ -98,7 +100,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
 
     @property
     def gpus(self) -> int:
-        return self.tp.value * self.pp.value * self.dp.value
+        return self.tp.value * self.cp.value * self.pp.value * self.dp.value
 
     def _replan(self) -> None:
         try:
@@ -106,7 +108,8 @@ class ClusterPlannerView(Controls, WithStaticCopy):
                 self.models[self.model.value], hardware(self.hardware.value), gpus=self.gpus, tp=self.tp.value,
                 pp=self.pp.value, global_batch=self.global_batch.value, microbatch=self.microbatch.value,
                 chunks=self.chunks.value, zero=self.zero.value, recompute=self.recompute.value,
-                sequence_parallel=self.sequence_parallel.value, flash_attention=self.flash_attention.value)
+                sequence_parallel=self.sequence_parallel.value, flash_attention=self.flash_attention.value,
+                cp=self.cp.value)
         except DistUsageError as e:
             self.prediction, self.refusal = None, str(e)
         else:
@@ -137,7 +140,8 @@ class ClusterPlannerView(Controls, WithStaticCopy):
 
     def _status_html(self) -> str:
         p = self.prediction
-        head = f"{self.gpus} GPUs = t {self.tp.value} × p {self.pp.value} × d {self.dp.value}"
+        context = f" × c {self.cp.value}" if self.cp.value > 1 else ""
+        head = f"{self.gpus} GPUs = t {self.tp.value}{context} × p {self.pp.value} × d {self.dp.value}"
         if p is None:
             return f'<div class="nbdist-cluster-planner"><b>{head}</b>: refused</div>'
         return (f'<div class="nbdist-cluster-planner" data-step-s="{p.step_seconds:.6g}" '
