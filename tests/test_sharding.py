@@ -112,6 +112,7 @@ FOUR = [
     {"dp": 2, "pp": 2, "microbatches": 2},
     {"dp": 2, "pp": 2, "microbatches": 2, "zero": 1},  # Megatron's distributed optimizer: ZeRO-1 in each stage
     {"dp": 2, "tp": 2},
+    {"dp": 2, "tp": 2, "zero": 1},  # Megatron's distributed optimizer beside tensor parallelism
     {"dp": 2, "tp": 2, "zero": 3},
     {"pp": 2, "tp": 2, "microbatches": 2},
 ]
@@ -129,6 +130,8 @@ def test_three_d_on_eight_engines_trains_like_one_process(shared_clusters):
         for optimizer in OPTIMIZERS:
             got = train(eight, optimizer, dp=2, pp=2, tp=2, microbatches=2)
             assert_equal_to_serial(got, optimizer)
+        # each stage's optimizer state over its replicas, its parameters tensor-parallel (TensorParallelZero)
+        assert_equal_to_serial(train(eight, "adam", dp=2, pp=2, tp=2, microbatches=2, zero=1), "adam")
 
 
 # -- bad plans: one line, nothing built ------------------------------------------------------------------------------
@@ -138,7 +141,6 @@ def test_three_d_on_eight_engines_trains_like_one_process(shared_clusters):
     ({"dp": 3}, r"dp × pp × tp = 3 × 1 × 1 = 3, but the cluster has 2 ranks"),
     ({"tp": 2, "model": {"heads": 3, "hidden": 30}}, r"tp=2 does not divide the model's 3 heads"),
     ({"pp": 2, "microbatches": 2, "model": {"layers": 0}}, r"model_fn raised DistUsageError: gpt layers"),
-    ({"dp": 1, "tp": 2, "zero": 1}, r"zero=1 with tp > 1 is not supported"),
     ({"dp": 2, "zero": 4}, r"zero"),
     ({"pp": 2, "microbatches": 2, "zero": 2}, r"zero=2 with pp=2 is not supported: it would shard gradients"),
     ({"pp": 2, "schedule": "1f1b", "microbatches": 1}, r"1f1b needs microbatches >= stages"),
@@ -351,13 +353,15 @@ def test_profile_measures_each_dimensions_link_and_the_prediction_prices_its_col
     assert default.tp_forward_s != step.tp_forward_s  # the given fit, not the measured links
 
 
-def test_zero1_in_a_pipeline_halves_each_stages_optimizer_state_as_predicted(cluster4):
-    """dp=2 pp=2 zero=1: each stage's two replicas hold half its Adam state (ZeroRedundancyOptimizer's partition),
-    measured per rank within 10 % of the plan's prediction, against the whole state at zero=0."""
+@pytest.mark.parametrize("split", [{"pp": 2, "microbatches": 2}, {"tp": 2}], ids=["pp=2", "tp=2"])
+def test_zero1_halves_each_replicas_optimizer_state_as_predicted(cluster4, split):
+    """dp=2 and zero=1, beside a pipeline (each stage's two replicas) or tensor parallelism (each slice's two
+    replicas, TensorParallelZero): each replica holds about half the Adam state (the greedy partition by whole
+    tensors), measured per rank within 10 % of the plan's prediction, against the whole state at zero=0."""
     x, y = batches()[0]
     held = {}
     for zero in (0, 1):
-        made = nbdist.shard(model_fn, dp=2, pp=2, microbatches=2, zero=zero, batch=x.shape[0], cluster=cluster4)
+        made = nbdist.shard(model_fn, dp=2, zero=zero, batch=x.shape[0], cluster=cluster4, **split)
         built = made.apply(adam)
         try:
             built.step(x, y, models.lm_loss, memory=True)

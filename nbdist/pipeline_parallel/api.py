@@ -117,7 +117,7 @@ class Pipeline(GatheredModel):
         self.cluster, self.mesh, self.tp_plan = cluster, mesh, tp_plan
         p = mesh.dim_size("pp")
         self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
-        self.zero = check_pipeline_zero(zero, self.replicas, tp_plan is not None and mesh.dim_size("tp") > 1)
+        self.zero = check_pipeline_zero(zero, self.replicas)
         self.schedule = _schedule(schedule, p, microbatches, chunks)
         if self.replicas > 1 and self.schedule.name == "pipedream":
             raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "

@@ -55,7 +55,7 @@ def meta_model(model) -> nn.Sequential:
     return built
 
 
-def check_pipeline_zero(zero, replicas: int, split: bool) -> int:
+def check_pipeline_zero(zero, replicas: int) -> int:
     """ZeRO in a pipeline: 0, or 1 (each stage's optimizer state over its replicas); one line otherwise."""
     if zero not in (0, 1) or isinstance(zero, bool):
         raise DistUsageError(f"a pipeline takes zero=0 or zero=1 (the optimizer state sharded over each stage's "
@@ -63,7 +63,4 @@ def check_pipeline_zero(zero, replicas: int, split: bool) -> int:
     if zero == 1 and replicas == 1:
         raise DistUsageError("zero=1 shards the optimizer state over data-parallel replicas, but this pipeline has "
                              "none (dp = 1)")
-    if zero == 1 and split:
-        raise DistUsageError("zero=1 with tp > 1 is not supported: torch's ZeroRedundancyOptimizer does not take "
-                             "tensor-parallel (DTensor) parameters")
     return zero

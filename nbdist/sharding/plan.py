@@ -106,9 +106,6 @@ class Plan:
             raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported: it would shard gradients "
                                  f"the pipeline's micro-batches accumulate (DeepSpeed refuses it too); zero=1 shards "
                                  f"each stage's optimizer state over its replicas")
-        if self.zero == 1 and self.tp > 1:
-            raise DistUsageError("zero=1 with tp > 1 is not supported: torch's ZeroRedundancyOptimizer does not take "
-                                 "tensor-parallel (DTensor) parameters; use zero=2 or 3 (FSDP2) with tp")
 
     def _schedule(self, name: str):
         """The pipeline schedule (built and checked here: its micro-batch and chunk rules), or its name at pp=1."""

@@ -100,9 +100,6 @@ class Trainer:
             raise DistUsageError(f"batch_size {d.batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
         pipelined = self.plan is not None and self.plan.pp > 1
-        if pipelined and o.precision == "fp16":
-            raise DistUsageError("precision='fp16' with pp > 1 is not supported: loss scaling would need every stage "
-                                 "to agree on the steps it skips (use bf16, or a pp = 1 plan)")
         said = next(filter(None, self.cluster.run(on_ranks.prepare, d.seed, portable(optimizer_fn))), None)
         if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
             raise DistUsageError(said)

@@ -111,7 +111,8 @@ class StageExecutor:
         params = self.parameters()
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self.apply_optimizer = None  # set by the Trainer: its optimizer step (clipping) instead of optimizer.step()
-        self.autocast_dtype: torch.dtype | None = None  # set by the Trainer: forwards under autocast (bf16)
+        self.autocast_dtype: torch.dtype | None = None  # set by the Trainer: forwards under autocast (bf16, fp16)
+        self.scale_loss = None  # set by the Trainer (fp16): the last stage's loss, scaled before its backward
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
         self.epoch = 0  # steps begun: part of every message tag
@@ -122,8 +123,7 @@ class StageExecutor:
         return [p for m in self.modules.values() for p in m.parameters()]
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds for the pipeline, by storage (a
-        tensor slice counts its own part, not the whole tensor's size)."""
+        """Bytes of parameters, gradients and optimizer state held for the pipeline, by storage (a slice: its part)."""
         from nbdist.cluster.ranks.memory import state_bytes
 
         return state_bytes(nn.ModuleList(self.modules.values()), self.optimizer)
@@ -206,8 +206,7 @@ class StageExecutor:
         self.drainer.stop()
 
     def finish(self, wait_for_sends: bool = True) -> dict:
-        """Complete the sends, average the gradients over the replicas, apply the optimizer; report the loss (last
-        stage, mean over this replica's micro-batches) and the timed spans."""
+        """Complete the sends, average the gradients over the replicas, step; report the loss and the timed spans."""
         state = self.state
         if wait_for_sends:  # on a GPU the compute stream waits, so the dp average's communicator runs after them
             self.stop_draining()
@@ -262,6 +261,7 @@ class StageExecutor:
                 loss = self.loss_fn(y, state.targets[a.microbatch])
                 state.losses.append(loss.detach())
                 y = loss / self.spec.microbatches  # the batch loss is the mean over equal micro-batches
+                y = y if self.scale_loss is None else self.scale_loss(y)
         if a.stage < self.spec.stages - 1 and self.autocast_dtype is not None:
             y = _as_message(y, self.shapes[a.stage][1])
         state.stage_inputs[key], state.stage_outputs[key] = x, y

@@ -58,7 +58,7 @@ class PipelineRunner:
         from nbdist.pipeline_parallel.ranks import pipeline
         from nbdist.schedules.actions import Action
 
-        self.executor.apply_optimizer = apply
+        self.executor.apply_optimizer, self.executor.scale_loss = apply, scale
         started = time.perf_counter()
         report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
         wall = time.perf_counter() - started

@@ -33,7 +33,7 @@ import torch
 from nbdist import data as datasets
 from nbdist.backend.ranks import waiting
 from nbdist.cluster.ranks import placement, rank_mesh, registry
-from nbdist.training.ranks import inputs, runners, telemetry
+from nbdist.training.ranks import inputs, loss_scaling, runners, telemetry
 from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.wire import restore
 
@@ -68,7 +68,7 @@ class RankTrainer:
         self.lr_schedule = restore(spec.optimization.lr_schedule)
         self.runner = runners.make(spec, self.me)
         self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
-        self.scaler = torch.amp.GradScaler(self.device.type) if spec.optimization.precision == "fp16" else None
+        self.scaler = loss_scaling.scaler(self.device.type, spec.optimization.precision, spec.model is not None)
         self.step = 0
         self.records: list[dict] = []
         self.stop_requested = False
