@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import warnings
@@ -155,6 +156,13 @@ def test_four_engine_meshes_train_like_one_process(cluster4):
     try:
         tr.fit(steps=3)
         assert_same(tr.state_dict(), serial(3, clip=0.5, lr_schedule=warm_then_decay))
+        with tempfile.TemporaryDirectory() as folder:  # its checkpoint: each replica's share of each slice
+            saved = tr.save(folder)
+            tr.fit(steps=2)
+            expected = tr.state_dict()
+            tr.resume(saved)
+            tr.fit(steps=2)
+            assert_same(tr.state_dict(), expected, atol=1e-6)
     finally:
         tr.close()
 
@@ -271,6 +279,29 @@ def test_interrupted_and_resumed_ends_where_an_uninterrupted_run_does(cluster, t
         assert_same(resumed.state_dict(), expected, atol=1e-6)
     finally:
         resumed.close()
+
+
+def test_a_zero1_plan_resumes_exactly_and_only_on_its_own_plan(cluster, tmp_path):
+    """ZeRO-1 (ZeroRedundancyOptimizer): DCP keeps the model, each rank its share of the optimizer state; resumed
+    on the same plan it ends where the uninterrupted run does, on another plan it says why in one line."""
+    whole = trainer(cluster, plan={"dp": 2, "zero": 1}, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    whole.fit(steps=6)
+    expected = whole.state_dict()
+    whole.close()
+    assert {"rank0.zero1", "rank1.zero1"} <= set(os.listdir(tmp_path / "step_00000003"))
+    resumed = trainer(cluster, plan={"dp": 2, "zero": 1}).resume(str(tmp_path / "step_00000003"))
+    try:
+        resumed.fit(steps=3)
+        assert_same(resumed.state_dict(), expected, atol=1e-6)
+    finally:
+        resumed.close()
+    other = trainer(cluster, plan={"tp": 2, "zero": 1})
+    try:
+        with pytest.raises(Exception, match="a zero=1 plan resumes from a checkpoint of the same plan") as why:
+            other.resume(str(tmp_path / "step_00000003"))
+        assert "\n" not in str(why.value)
+    finally:
+        other.close()
 
 
 def test_asynchronous_checkpoints_resume_exactly(cluster, tmp_path):

@@ -202,10 +202,6 @@ BAD_INPUTS = [  # (id, Trainer / fit options, the line)
      r"local-sgd: period must be an integer >= 1"),
     ("a straggler beyond the ranks", dict(straggler={5: 1.0}), r"straggler names rank 5, but the ranks are 0\.\.1"),
     ("unknown on_nonfinite", dict(on_nonfinite="skip"), r"unknown on_nonfinite 'skip': choose stop, warn, ignore"),
-    ("checkpoints of zero 1",
-     dict(plan={"dp": 2, "zero": 1}, checkpoint_dir=os.path.join(tempfile.gettempdir(), "nbdist-zero1-refused")),
-     r"checkpoints of a zero=1 plan are not supported: its optimizer state \(torch's ZeroRedundancyOptimizer\) "
-     r"does not round-trip through DCP; use zero=0, 2 or 3"),
 ]
 
 

@@ -136,11 +136,3 @@ def nonfinite_eval_line(results: list[dict]) -> str | None:
     return (f"step {bad[0][0]}: the eval loss is {bad[0][1]} ({len(steps)} of this fit's {len({s for s, _ in evals})} "
             f"evaluations not finite): eval_data_fn's data, or the model's output on it, is not finite")
 
-
-def check_checkpointable(plan) -> None:
-    """Refuse, in one line, checkpoints of a ZeRO-1 plan: torch's ZeroRedundancyOptimizer keeps its state in shares
-    that DCP's state-dict helpers do not map back (consolidated on every replica and saved, a resumed run's weights
-    came out up to 1.3e-3 off the uninterrupted run's after one step), so none is written rather than a wrong one."""
-    if plan is not None and plan.zero == 1:
-        raise DistUsageError("checkpoints of a zero=1 plan are not supported: its optimizer state (torch's "
-                             "ZeroRedundancyOptimizer) does not round-trip through DCP; use zero=0, 2 or 3")

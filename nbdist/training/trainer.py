@@ -103,8 +103,6 @@ class Trainer:
         said = next(filter(None, self.cluster.run(on_ranks.prepare, d.seed, portable(optimizer_fn))), None)
         if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
             raise DistUsageError(said)
-        if c.dir:
-            inputs.check_checkpointable(self.plan)
         self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
         try:
             self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
@@ -273,7 +271,6 @@ class Trainer:
     def save(self, directory: str | None = None, asynchronous: bool = False) -> str:
         """Write a checkpoint of this step now (into `directory` or the checkpoint_dir); returns its folder once
         it is complete (`asynchronous`: written by DCP's async_save, as the periodic ones with async_checkpoint)."""
-        inputs.check_checkpointable(self.plan)
         directory = os.path.abspath(directory) if directory else self.checkpointing.dir
         if directory is None:
             raise DistUsageError("save() needs a folder: give save(directory) or Trainer(checkpoint_dir=...)")
@@ -283,7 +280,6 @@ class Trainer:
     def resume(self, path: str | None = None) -> "Trainer":
         """Load a checkpoint (a step_* folder, or a checkpoint folder: its newest complete checkpoint) into this
         trainer's model and optimizer, on any engine count or plan; training goes on from its step."""
-        inputs.check_checkpointable(self.plan)
         path = checkpoints.find(path or self.checkpointing.dir)
         try:
             steps = self.cluster.run(on_ranks.load, self.id, path)

@@ -11,7 +11,10 @@ a broken one.
 
 `get_state_dict` / `set_state_dict` give the model's and optimizer's state under the unsplit model's keys whatever
 wraps it (DDP, FSDP2, tensor-parallel DTensors), and DCP reshards on load: a checkpoint saved under one plan or
-engine count loads into another (elastic resume).
+engine count loads into another (elastic resume). Except ZeRO-1's optimizer state (ZeroRedundancyOptimizer,
+TensorParallelZero): each rank holds the state of its own share of the parameters, which DCP's helpers do not map
+back (consolidated and saved through them, a resumed run's weights came out 1.3e-3 off), so DCP keeps the model
+and each rank writes its share's state itself (rank<r>.zero1): such a checkpoint resumes on the same plan.
 
 Every rank checks that it can write the folder and all agree before any writes its part (on another host the
 folder may be missing or read-only: one line naming the ranks and the OS's reason, the same on every rank, none left
@@ -73,11 +76,27 @@ def _failure(action, *args) -> int:
 
 
 def _state(trainer):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     model, optimizer = trainer.runner.model, trainer.runner.optimizer
+    if _zero1(optimizer):
+        return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _zero1(optimizer) -> bool:
+    """Whether `optimizer` keeps only this rank's share of the state (ZeRO-1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from nbdist.data_parallel.ranks.zero_optimizer import TensorParallelZero
+
+    return isinstance(optimizer, (ZeroRedundancyOptimizer, TensorParallelZero))
+
+
+def _share(optimizer):
+    """ZeRO-1: the optimizer stepping this rank's share (None when it owns no parameter)."""
+    return optimizer.optim if hasattr(optimizer, "optim") else optimizer.inner
 
 
 def save(trainer, directory: str, asynchronous: bool = False) -> str:
@@ -97,6 +116,9 @@ def save(trainer, directory: str, asynchronous: bool = False) -> str:
     replica = _replica_state(trainer)
     if replica is not None:
         own[f"rank{trainer.rank}.replica"] = replica
+    if _zero1(trainer.runner.optimizer):
+        share = _share(trainer.runner.optimizer)
+        own[f"rank{trainer.rank}.zero1"] = {"share": None if share is None else share.state_dict()}
     _barrier(trainer, directory, _failure(_write, partial, own))
     meta = {"step": trainer.step, "seed": trainer.spec.data.seed, "world_size": trainer.me.mesh.size,
             "mesh": dict(trainer.me.mesh.dims), "batch_size": trainer.spec.data.batch_size,
@@ -177,9 +199,12 @@ def load(trainer, path: str) -> int:
     state = _state(trainer)
     with _dcp_quiet(path, "loaded", UnreadableCheckpoint):
         dcp.load(state, storage_reader=reader, planner=_data_only_planner()())
-    set_state_dict(trainer.runner.model, trainer.runner.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
     same_world = meta["world_size"] == trainer.me.mesh.size
+    if "optimizer" in state:
+        set_state_dict(trainer.runner.model, trainer.runner.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    else:
+        _load_zero1(trainer, path, state["model"], same_world and meta.get("mesh") == dict(trainer.me.mesh.dims))
     rng = f"rank{trainer.rank}.rng"
     if same_world and os.path.exists(os.path.join(path, rng)):
         _set_rng_state(_load(path, rng))
@@ -216,6 +241,29 @@ def _load_replica(trainer, path: str) -> None:
     trainer.runner.model.load_state_dict(saved["model"])
     trainer.runner.optimizer.load_state_dict(saved["optimizer"])
     sync.load_state(saved["sync"])
+
+
+def _load_zero1(trainer, path: str, model_state: dict, same_plan: bool) -> None:
+    """ZeRO-1: the model from DCP's copy, this rank's share of the optimizer state from its own file (saved under
+    this very plan: the shares are the same parameters only then)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from nbdist.cluster.ranks import placement
+
+    mine = f"rank{trainer.rank}.zero1"
+    if not same_plan or not os.path.exists(os.path.join(path, mine)):
+        raise UnreadableCheckpoint(f"{path}: a zero=1 plan resumes from a checkpoint of the same plan (each rank "
+                                   f"keeps its own share of the optimizer state), and this one has no {mine} for "
+                                   f"it or was saved on another mesh")
+    set_model_state_dict(trainer.runner.model, model_state)
+    saved, share = _load(path, mine, placement.here())["share"], _share(trainer.runner.optimizer)
+    if (saved is None) != (share is None):
+        raise UnreadableCheckpoint(f"{path}: {mine} holds another share of the parameters than this rank's")
+    if share is not None:
+        try:
+            share.load_state_dict(saved)
+        except (ValueError, KeyError) as e:
+            raise UnreadableCheckpoint(f"{path}: {mine} does not fit this rank's share: {e}") from None
 
 
 class UnreadableCheckpoint(RuntimeError):
