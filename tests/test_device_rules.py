@@ -433,6 +433,6 @@ def test_no_fully_shard_anywhere_is_one_line_naming_the_torch_and_the_minimum():
 def test_zero_takes_fully_shard_from_compat():
     import inspect
 
-    from nbdist.sharding.ranks import zero
+    from nbdist.data_parallel.ranks import zero
 
     assert "from nbdist.cluster.ranks.compat import fully_shard" in inspect.getsource(zero.shard)

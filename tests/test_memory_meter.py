@@ -7,12 +7,12 @@ import gc
 
 import pytest
 import torch
+from test_predict import gpt, tokens
 from torch import nn
 
 from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
 from nbdist.sharding.memory import predict_memory, zero1_shares
 from nbdist.sharding.profile import profile_layers
-from test_predict import gpt, tokens
 
 F32 = 4
 
@@ -118,8 +118,8 @@ def fsdp2_on_rank(build, x, y, reshard: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nbdist.sharding.ranks import zero
     from nbdist.cluster.ranks.memory import state_bytes
+    from nbdist.data_parallel.ranks import zero
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = zero.shard(build(), mesh, 3 if reshard else 2)  # per layer and the root; 3 reshards after forward

@@ -64,7 +64,7 @@ def train_fsdp2(build, data, reshard: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nbdist.sharding.ranks import zero
+    from nbdist.data_parallel.ranks import zero
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = zero.shard(build(), mesh, 3 if reshard else 2)  # stage 3 reshards after forward, stage 2 does not

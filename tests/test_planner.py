@@ -165,10 +165,11 @@ def heads_of_three():
     (heads_of_three, dict(dp=1, tp=2), "tp=2 does not divide the model's 3 heads"),
     (model_fn, dict(dp=1, pp=2, microbatches=2, schedule="interleaved-1f1b", chunks=4),
      "the model has 6 layers, fewer than pp × chunks = 8 stages"),
-    (model_fn, dict(dp=1, pp=2, microbatches=2, zero=2), "zero=2 with pp=2 is not supported"),
+    (model_fn, dict(dp=1, pp=2, microbatches=2, zero=2), "zero=2 shards over data-parallel replicas, but this "
+                                                          "pipeline has none (dp = 1)"),
     (model_fn, dict(dp=1, pp=2, microbatches=1), "1f1b needs microbatches >= stages (1 < 2)"),
     (model_fn, dict(batch=7), "a batch of 7 does not split into dp=2 equal shares"),
-], ids=["world size", "tp and heads", "stages and layers", "zero-2 with pp", "schedule", "batch"])
+], ids=["world size", "tp and heads", "stages and layers", "zero-2 without replicas", "schedule", "batch"])
 def test_an_impossible_choice_shows_the_refusal_and_disables_apply(cluster, model, choice, line):
     view = PlannerView(nbdist.shard(model, dp=2, cluster=cluster))
     possible = view.plan

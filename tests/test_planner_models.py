@@ -180,3 +180,14 @@ def test_context_parallel_refusals_are_one_line():
         planner.predict(LLAMA3_8B, H100, gpus=12, tp=2, cp=4, global_batch=8)
     with pytest.raises(DistUsageError, match="nbdist cannot run it"):
         shape(LLAMA3_8B, gpus=8, tp=1, pp=1, global_batch=8, cp=8).layout
+
+
+def test_zero2_in_a_pipeline_shards_gradients_and_pays_a_reduce_scatter_per_microbatch():
+    """FSDP2 on each stage (ZeRO-2 with pp > 1): gradients 1/dp of ZeRO-1's, and each micro-batch's backward
+    carries its chunk's reduce-scatter."""
+    run = dict(gpus=64, tp=8, pp=2, global_batch=64, sequence_parallel=True, recompute="selective")
+    one, two = (planner.predict(LLAMA3_8B, H100, zero=z, **run) for z in (1, 2))
+    assert two.breakdown["memory"]["gradients"] == pytest.approx(one.breakdown["memory"]["gradients"] / 4)
+    assert all(c.zero_backward > 0 for c in two.costs.chunks) and all(c.zero_backward == 0 for c in one.costs.chunks)
+    found = planner.search(LLAMA3_8B, H100, gpus=64, global_batch=64, zero=(2,), top=50, exact=50)
+    assert any(p.shape.pp > 1 for p in found.candidates if p.fits)  # offered now

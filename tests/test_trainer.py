@@ -145,7 +145,8 @@ def test_fit_trains_like_one_process(cluster, plan):
 
 def test_four_engine_meshes_train_like_one_process(cluster4):
     for plan in ({"dp": 2, "pp": 2, "microbatches": 2}, {"dp": 2, "pp": 2, "microbatches": 2, "zero": 1},
-                 {"dp": 2, "tp": 2}, {"pp": 2, "tp": 2, "microbatches": 2}):
+                 {"dp": 2, "pp": 2, "microbatches": 2, "zero": 2}, {"dp": 2, "tp": 2},
+                 {"pp": 2, "tp": 2, "microbatches": 2}):
         tr = trainer(cluster4, plan=plan)
         tr.fit(steps=3)
         assert_same(tr.state_dict(), serial(3))

@@ -77,7 +77,8 @@ def pipeline(
     tp_plan: stage -> {Linear name in the stage: "colwise" | "rowwise"}: each stage's layers split over the mesh's
     tp dimension (nbdist.shard makes it; a mesh with tp > 1 needs it).
     zero: 1 shards each stage's optimizer state over its data-parallel replicas (ZeRO-1, Megatron's distributed
-    optimizer); 0 keeps it whole on every replica.
+    optimizer), 2 its gradients too and 3 its weights too (FSDP2 on each stage); 0 keeps it all whole on every
+    replica.
     """
     cluster = cluster or current()
     mesh = _pipeline_mesh(cluster, mesh, stages, tp_plan is not None)
@@ -117,8 +118,9 @@ class Pipeline(GatheredModel):
         self.cluster, self.mesh, self.tp_plan = cluster, mesh, tp_plan
         p = mesh.dim_size("pp")
         self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
-        self.zero = check_pipeline_zero(zero, self.replicas)
         self.schedule = _schedule(schedule, p, microbatches, chunks)
+        split = tp_plan is not None and mesh.dim_size("tp") > 1
+        self.zero = check_pipeline_zero(zero, self.replicas, self.schedule.splits_backward, split)
         if self.replicas > 1 and self.schedule.name == "pipedream":
             raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "
                                  "(dp > 1) would have to average each time: not supported; use a mesh without dp")
@@ -387,9 +389,10 @@ class Pipeline(GatheredModel):
     # -- gathering ----------------------------------------------------------------------------------------------
 
     def _gather(self, grads: bool) -> dict:
-        """The replicas hold equal copies (the gradients averaged, the same optimizer step): read replica 0's."""
+        """The replicas hold equal copies (the gradients averaged, the same optimizer step): read replica 0's. Under
+        ZeRO-2/3 they hold shards, which every replica helps gather (replica 0 keeps the result)."""
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
-        first = [ranks for ranks in self.pipelines if self.mesh.coords(ranks[0]).get("dp", 0) == 0]
+        first = [ranks for ranks in self.pipelines if self.mesh.coords(ranks[0]).get("dp", 0) == 0 or self.zero >= 2]
         per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=sorted(r for g in first for r in g))
         per_rank = [tensors for tensors in per_rank if tensors is not None]  # a tp slice gathers, its first keeps
         out = {

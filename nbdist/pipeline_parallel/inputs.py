@@ -55,12 +55,19 @@ def meta_model(model) -> nn.Sequential:
     return built
 
 
-def check_pipeline_zero(zero, replicas: int) -> int:
-    """ZeRO in a pipeline: 0, or 1 (each stage's optimizer state over its replicas); one line otherwise."""
-    if zero not in (0, 1) or isinstance(zero, bool):
-        raise DistUsageError(f"a pipeline takes zero=0 or zero=1 (the optimizer state sharded over each stage's "
-                             f"replicas), got {zero!r}: ZeRO-2/3 would shard gradients the micro-batches accumulate")
-    if zero == 1 and replicas == 1:
-        raise DistUsageError("zero=1 shards the optimizer state over data-parallel replicas, but this pipeline has "
-                             "none (dp = 1)")
+def check_pipeline_zero(zero, replicas: int, splits_backward: bool = False, split: bool = False) -> int:
+    """ZeRO in a pipeline, over each stage's data-parallel replicas: 0; 1 (the optimizer state sharded, Megatron's
+    distributed optimizer); 2 or 3 (FSDP2 on each stage: gradients, and for 3 the weights between uses, sharded;
+    each micro-batch's gradients reduce-scattered into the shards as its backward ends). One line otherwise."""
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise DistUsageError(f"a pipeline takes zero=0, 1, 2 or 3 (what is sharded over each stage's replicas), "
+                             f"got {zero!r}")
+    if zero >= 1 and replicas == 1:
+        raise DistUsageError(f"zero={zero} shards over data-parallel replicas, but this pipeline has none (dp = 1)")
+    if zero >= 2 and splits_backward:
+        raise DistUsageError(f"zero={zero} with a schedule that splits the backward (I and W) is not supported: "
+                             f"FSDP2 reduce-scatters a stage's gradients when its whole backward ends")
+    if zero >= 2 and split:
+        raise DistUsageError(f"zero={zero} with tp > 1 in a pipeline is not supported; zero=1 shards the optimizer "
+                             f"state beside tensor parallelism")
     return zero

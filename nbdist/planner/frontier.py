@@ -3,7 +3,7 @@
 The plans enumerated: tp among the divisors of the GPU count that divide the heads and ff, up to one host (tensor
 parallelism belongs on the fastest links); pp among the divisors of what is left, up to the layers; micro-batch
 sizes 1, 2, 4, ... up to `max_microbatch`; chunks per rank v = 1, or v >= 2 dividing each stage's layers (up to
-`max_chunks`); ZeRO 0-3 where dp > 1 (2 and 3 only without a pipeline); recomputation none, selective, full;
+`max_chunks`); ZeRO 0-3 where dp > 1; recomputation none, selective, full;
 sequence parallelism whenever tp > 1 (it only saves: memory, and element-wise time); context parallelism cp among
 the divisors up to `max_cp` (1 unless asked: long sequences) that cut the sequence into 2·cp equal pieces.
 
@@ -142,7 +142,7 @@ def _shapes(model: GPT, gpus: int, batch: int, max_b: int, max_v: int, max_tp: i
         for pp in (p for p in _divisors(gpus // (tp * cp)) if p <= model.layers):
             dp = gpus // (tp * cp * pp)
             chunks = [1] + ([v for v in range(2, max_v + 1) if model.layers % (pp * v) == 0] if pp > 1 else [])
-            stages = [z for z in zero if (z == 0 or dp > 1) and (z < 2 or pp == 1)]
+            stages = [z for z in zero if z == 0 or dp > 1]
             for b, v, z, r in ((b, v, z, r) for b in _powers(max_b) for v in chunks for z in stages for r in recompute):
                 try:
                     yield shape(model, gpus, tp, pp, batch, b, v, z, r, tp > 1, flash, cp)

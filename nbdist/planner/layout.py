@@ -103,9 +103,6 @@ def shape(model: GPT, gpus: int, tp: int, pp: int, global_batch: int, microbatch
     s = Shape(gpus, tp, pp, dp, global_batch, microbatch, chunks, zero, recompute, bool(sequence_parallel),
               bool(flash_attention), cp)
     _check_schedule(s)
-    if zero >= 2 and pp > 1:
-        raise DistUsageError(f"ZeRO-{zero} with pp={pp}: gradients (and parameters) sharded over dp while "
-                             f"micro-batches accumulate them in the pipeline; DeepSpeed refuses it too, use ZeRO-1")
     return s
 
 

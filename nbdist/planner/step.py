@@ -17,8 +17,9 @@ Per micro-batch and model chunk (one tensor-parallel rank's share of its layers)
 - pipeline: one message per micro-batch and chunk boundary, s·b·h/cp elements; across hosts each tp rank sends its
   1/t over its own port and the tp group all-gathers it on the host (Megatron-LM's scatter/gather). The schedule
   simulator (pipeline.py) plays the step with these durations: its makespan holds the bubble and the waits.
-- ZeRO-2/3 (pp = 1): per micro-batch a reduce-scatter of the gradients (and for ZeRO-3 an all-gather of the
-  weights before the forward and again before the backward, a third time before a full recomputation).
+- ZeRO-2/3 (FSDP2, each pipeline stage on its own): per micro-batch a reduce-scatter of the gradients (and for
+  ZeRO-3 an all-gather of the weights before the forward and again before the backward, a third time before a
+  full recomputation).
 
 After the pipeline: the data-parallel gradient sync (ZeRO-0: all-reduce; ZeRO-1/2: reduce-scatter, and an
 all-gather of the updated weights after the optimizer), the tied embedding's all-reduce between the first and
@@ -136,7 +137,7 @@ def _chunk(model: GPT, s: Shape, hw: Hardware, dtype: str, where: dict[str, Plac
     tp = where["tp"].all_reduce(s.microbatch * model.seq / s.cp * model.hidden * e)
     tp_f = (2 * layers + (1 if first else 0)) * tp
     tp_b = (4 if s.recompute == "full" else 2) * layers * tp
-    zero_f, zero_b = _zero_per_microbatch(model, s, dtype, where["dp"])
+    zero_f, zero_b = _zero_per_microbatch(model, s, dtype, where["dp"], layers)
     cp_f, cp_b = _context_exchange(model, s, where["cp"], e, _seconds(attention, hw, dtype, True))
     return ChunkTime(matmul_f, 2 * matmul_f, elementwise_f, 2 * elementwise_f, recompute, tp_f, tp_b, zero_f,
                      zero_b, overlap, cp_forward=layers * cp_f,
@@ -159,12 +160,14 @@ def _seconds(kernels: list[ops.Kernel], hw: Hardware, dtype: str, matmul: bool) 
     return sum(k.seconds(flops, bandwidth) for k in kernels if k.matmul == matmul)
 
 
-def _zero_per_microbatch(model: GPT, s: Shape, dtype: str, dp: Placement) -> tuple[float, float]:
-    """(forward, backward) seconds of ZeRO-2/3's collectives in each micro-batch (pp = 1: the whole model)."""
+def _zero_per_microbatch(model: GPT, s: Shape, dtype: str, dp: Placement, layers: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ZeRO-2/3's collectives in each micro-batch on a chunk of `layers` layers
+    (FSDP2 on each stage: its share of the first rank's parameters)."""
     if s.zero < 2:
         return 0.0, 0.0
     w, g, _ = memory.state_bytes(dtype)
-    psi = memory.rank_parameters(model, s, 0)
+    first = sum(memory.chunk_layers(model, s.pp * s.chunks)[::s.pp])
+    psi = memory.rank_parameters(model, s, 0) * layers / first
     scatter = dp.gather(psi * g)
     if s.zero == 2:
         return 0.0, scatter

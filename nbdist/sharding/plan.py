@@ -102,10 +102,11 @@ class Plan:
     balance = property(lambda self: self.layout.balance)
 
     def _refuse_unsupported(self) -> None:
-        if self.zero >= 2 and self.pp > 1:
-            raise DistUsageError(f"zero={self.zero} with pp={self.pp} is not supported: it would shard gradients "
-                                 f"the pipeline's micro-batches accumulate (DeepSpeed refuses it too); zero=1 shards "
-                                 f"each stage's optimizer state over its replicas")
+        """A pipeline's ZeRO rules (pipeline_parallel/inputs.py), said here before anything is built."""
+        if self.pp > 1:
+            from nbdist.pipeline_parallel.inputs import check_pipeline_zero
+
+            check_pipeline_zero(self.zero, self.dp, self.schedule.splits_backward, self.tp > 1)
 
     def _schedule(self, name: str):
         """The pipeline schedule (built and checked here: its micro-batch and chunk rules), or its name at pp=1."""

@@ -156,3 +156,25 @@ class ActivationMeter:
         if entry[0] == 0:
             self.live_bytes -= entry[1]
             del self._live[ptr]
+
+
+class GatheredParams:
+    """The most parameter bytes the rank holds at once during forward: sampled as each top-level layer of `model`
+    starts its forward, after FSDP2 gathered that layer's parameters (its own pre-forward hook runs first) and
+    before it frees them; ZeRO-2 keeps every layer gathered until backward, ZeRO-3 one layer at a time. (Measured
+    after a step, a sharded model holds its shards only.)"""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module] | None = None):
+        self.peak = 0
+        inner = getattr(model, "module", model)  # DDP's wrapped model
+        layers = list(inner.children()) if layers is None else layers  # a pipeline's: each stage's layers
+        self.handles = [layer.register_forward_pre_hook(self._sample) for layer in layers]
+        self._model = model
+
+    def _sample(self, *_) -> None:
+        self.peak = max(self.peak, state_bytes(self._model)["params"])
+
+    def close(self) -> int:
+        for handle in self.handles:
+            handle.remove()
+        return self.peak

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nbdist.cluster.ranks import rank_mesh, registry
-from nbdist.data_parallel.ranks import data_parallel, zero_optimizer
+from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
 from nbdist.models.gathered import whole
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
@@ -38,7 +38,8 @@ def setup(spec: StageSpec) -> str:
 
     device = torch.device(boot().device)
     mesh = rank_mesh.here(spec.mesh)
-    average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 else None
+    sharded = spec.zero >= 2  # FSDP2 reduce-scatters the gradients itself
+    average = _dp_average(mesh, spec.replicas, spec.transport) if spec.replicas > 1 and not sharded else None
     _warm_up()
     transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
     walks = _walks(spec, mesh) if spec.transport == "torch" else None
@@ -46,6 +47,9 @@ def setup(spec: StageSpec) -> str:
     if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (tensor_parallel/ranks/tensor_parallel.py)
         for stage, module in modules.items():
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
+    if sharded:  # each stage's gradients (ZeRO-2) and weights (ZeRO-3) over its replicas: FSDP2, as shard() does
+        for module in modules.values():
+            zero.shard(module, mesh.device_mesh["dp"], spec.zero)
     make = restore(spec.optimizer)
     if make is not None and spec.zero == 1:  # each stage's replicas share its optimizer state (ZeRO-1)
         make = functools.partial(zero_optimizer.optimizer, make=make, stage=1, dp_group=mesh.group("dp"))
@@ -103,19 +107,23 @@ def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float
     if not memory:
         begin(name, shapes, inputs, targets, loss_fn)
         return advance(name, None, publish_every)
-    from nbdist.cluster.ranks.memory import ActivationMeter
+    from nbdist.cluster.ranks.memory import ActivationMeter, GatheredParams
 
+    executor = registry.get(KIND, name)
+    stages = list(executor.modules.values())  # each stage's layers sampled as they start (ZeRO-2/3)
+    gathered = GatheredParams(nn.ModuleList(stages), [layer for stage in stages for layer in stage.children()])
     with ActivationMeter() as meter:
         begin(name, shapes, inputs, targets, loss_fn)
         report = advance(name, None, publish_every)
-    executor = registry.get(KIND, name)
-    return {**report, "memory": {**executor.held_bytes(), "activations": meter.peak_bytes}}
+    held = executor.held_bytes()
+    held["params"] = max(held["params"], gathered.close())
+    return {**report, "memory": {**held, "activations": meter.peak_bytes}}
 
 
 def parameters(name: str, grads: bool) -> dict | None:
     """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU.
-    Tensor-parallel shards are gathered whole (collective over the tp group: every slice calls this); the first
-    slice returns them, the others None."""
+    Tensor-parallel slices and ZeRO-2/3 shards are gathered whole (collective over the tp or dp group: every slice,
+    every replica calls this); the first slice of the first replica returns them, the others None."""
     executor = registry.get(KIND, name)
     out = {}
     for stage, module in executor.modules.items():
@@ -123,8 +131,8 @@ def parameters(name: str, grads: bool) -> dict | None:
             out[stage] = {k: whole(p.grad) for k, p in module.named_parameters()}
         else:
             out[stage] = {k: whole(v) for k, v in module.state_dict().items()}
-    tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
-    return out if tp_slice == 0 else None
+    coords = rank_mesh.here(executor.spec.mesh).coords
+    return out if coords.get("tp", 0) == 0 and coords.get("dp", 0) == 0 else None
 
 
 def close(name: str) -> None:

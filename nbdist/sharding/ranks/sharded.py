@@ -12,12 +12,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 from nbdist.cluster.ranks import placement, rank_mesh, registry
-from nbdist.data_parallel.ranks import data_parallel, zero_optimizer
+from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
 from nbdist.models.gathered import whole
-from nbdist.sharding.ranks import zero
 from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.wire import restore
 
@@ -62,7 +60,7 @@ class ShardedModel:
         self.model.zero_grad(set_to_none=True)
         meter = _memory().ActivationMeter() if memory else None
         marks, losses = [], []
-        gathered = _GatheredParams(self.model) if memory else None
+        gathered = _memory().GatheredParams(self.model) if memory else None
         watch = self.watch = placement.stopwatch()
         self.last_gradient = None
         started = watch.mark()
@@ -167,23 +165,3 @@ def _memory():
 def _unwrapped(key: str) -> str:
     """DDP names its model's parameters 'module.<key>': the unsplit model's key is <key>."""
     return key.removeprefix("module.")
-
-
-class _GatheredParams:
-    """The most parameter bytes the rank holds at once during forward: sampled as each top-level layer starts its
-    forward, after FSDP2 gathered that layer's parameters (its own pre-forward hook runs first) and before it frees
-    them; ZeRO-2 keeps every layer gathered until backward, ZeRO-3 one layer at a time."""
-
-    def __init__(self, model: nn.Module):
-        self.peak = 0
-        inner = getattr(model, "module", model)  # DDP's wrapped model
-        self.handles = [layer.register_forward_pre_hook(self._sample) for layer in inner.children()]
-        self._model = model
-
-    def _sample(self, *_):
-        self.peak = max(self.peak, _memory().state_bytes(self._model)["params"])
-
-    def close(self) -> int:
-        for handle in self.handles:
-            handle.remove()
-        return self.peak

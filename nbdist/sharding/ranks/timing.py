@@ -17,7 +17,7 @@ from torch import nn
 
 from nbdist.checks import whole_number
 from nbdist.cluster.ranks import placement, rank_mesh
-from nbdist.sharding.ranks import zero
+from nbdist.data_parallel.ranks import zero
 from nbdist.tensor_parallel.ranks import tensor_parallel
 
 

@@ -1,8 +1,8 @@
 """ZeRO (runs ON the engines): optimizer state, gradients and parameters sharded over the data-parallel replicas.
 
-Stage 1 is torch's ZeroRedundancyOptimizer (data_parallel/ranks/zero_optimizer.py, which pipelines use too). Stages 2
-and 3 are FSDP2 (`fully_shard`) on the dp dimension of the
-mesh, one FSDP unit per top-level layer of the model plus the root: gradients are reduce-scattered into shards and
+Stage 1 is torch's ZeroRedundancyOptimizer (zero_optimizer.py). Stages 2 and 3 are FSDP2 (`fully_shard`) on the dp
+dimension of the mesh, for a sharded model (sharding/ranks/sharded.py) or each pipeline stage on its own
+(pipeline_parallel/ranks/pipeline.py), one FSDP unit per top-level layer of the model plus the root: gradients are reduce-scattered into shards and
 the optimizer steps the shards. Stage 3 frees each layer's gathered parameters after its forward
 (reshard_after_forward=True) and gathers them again for its backward; stage 2 keeps them gathered from forward to
 backward (reshard_after_forward=False), which costs memory and saves that second all-gather. On CPU engines the
