@@ -27,7 +27,8 @@ MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.25
 PLANS = {
     2: [dict(dp=2), dict(dp=2, microbatches=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
         dict(tp=2), dict(pp=2, microbatches=4, schedule="1f1b"), dict(pp=2, microbatches=4, schedule="gpipe")],
-    4: [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2), dict(pp=2, tp=2, microbatches=2), dict(dp=4, zero=3)],
+    4: [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2), dict(pp=2, tp=2, microbatches=2), dict(dp=4, zero=3),
+        dict(dp=2, tp=2, zero=1), dict(dp=2, pp=2, microbatches=2, zero=1), dict(dp=2, pp=2, microbatches=2, zero=2)],
 }
 
 

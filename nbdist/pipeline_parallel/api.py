@@ -390,7 +390,7 @@ class Pipeline(GatheredModel):
 
     def _gather(self, grads: bool) -> dict:
         """The replicas hold equal copies (the gradients averaged, the same optimizer step): read replica 0's. Under
-        ZeRO-2/3 they hold shards, which every replica helps gather (replica 0 keeps the result)."""
+        ZeRO-2/3 they hold shards, which every replica helps gather (each then returns the same whole tensors)."""
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
         first = [ranks for ranks in self.pipelines if self.mesh.coords(ranks[0]).get("dp", 0) == 0 or self.zero >= 2]
         per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=sorted(r for g in first for r in g))

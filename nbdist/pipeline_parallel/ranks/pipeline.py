@@ -123,7 +123,7 @@ def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float
 def parameters(name: str, grads: bool) -> dict | None:
     """stage -> {local key: tensor} of this rank's parameters and buffers (or the parameters' gradients), on CPU.
     Tensor-parallel slices and ZeRO-2/3 shards are gathered whole (collective over the tp or dp group: every slice,
-    every replica calls this); the first slice of the first replica returns them, the others None."""
+    and under ZeRO-2/3 every replica, calls this); the first slice returns them, the others None."""
     executor = registry.get(KIND, name)
     out = {}
     for stage, module in executor.modules.items():
@@ -131,8 +131,8 @@ def parameters(name: str, grads: bool) -> dict | None:
             out[stage] = {k: whole(p.grad) for k, p in module.named_parameters()}
         else:
             out[stage] = {k: whole(v) for k, v in module.state_dict().items()}
-    coords = rank_mesh.here(executor.spec.mesh).coords
-    return out if coords.get("tp", 0) == 0 and coords.get("dp", 0) == 0 else None
+    tp_slice = rank_mesh.here(executor.spec.mesh).coords.get("tp", 0)
+    return out if tp_slice == 0 else None
 
 
 def close(name: str) -> None:
