@@ -31,6 +31,17 @@ def sharded(part: str, zero: int) -> bool:
     return check_zero(zero) >= SHARDED_FROM[part]
 
 
+def zero1_owners(sizes: list[int], replicas: int) -> list[int]:
+    """ZeRO-1's partition: the replica that steps each parameter of `sizes` elements. Largest first, each to the
+    replica with the fewest elements so far (ties to the lowest), as torch's ZeroRedundancyOptimizer cuts them; read
+    by TensorParallelZero (data_parallel/ranks/zero_optimizer.py) and by the local memory prediction."""
+    held, owner = [0] * replicas, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        owner[i] = held.index(min(held))
+        held[owner[i]] += sizes[i]
+    return owner
+
+
 def state_bytes(dtype: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per parameter: mixed precision 2, 2, 12; fp32 4, 4, 8."""
     return (2.0, 2.0, 12.0) if dtype in HALF else (4.0, 4.0, 8.0)

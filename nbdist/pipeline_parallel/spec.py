@@ -38,7 +38,7 @@ class StageSpec:
     optimizer: bytes | None = None  # cloudpickled `params -> torch.optim.Optimizer`
     pipedream_lr: float | None = None  # PipeDream's per-micro-batch SGD step (None: a synchronous schedule)
     tp_plan: dict[int, dict[str, str]] | None = None  # this rank's stages -> Linear name -> "colwise" | "rowwise"
-    zero: int = 0  # 1: the optimizer state sharded over the stage's replicas (ZeRO-1), else 0
+    zero: int = 0  # ZeRO stage over the stage's replicas: 1 its optimizer state, 2 its gradients too, 3 its weights
 
     @property
     def first_stage(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from nbdist.cost.memory import OPTIMIZER_STATES, check_zero, sharded
+from nbdist.cost.memory import OPTIMIZER_STATES, check_zero, sharded, zero1_owners
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
 from nbdist.sharding.profile import LayerProfile, ParamShape
@@ -95,12 +95,9 @@ def _stage_saved_bytes(stage: list[LayerProfile], tp: int, last: LayerProfile) -
 
 
 def zero1_shares(tensors: Sequence[ParamShape], dp: int, tp: int = 1) -> list[int]:
-    """Parameter elements each of dp ranks owns under torch's ZeroRedundancyOptimizer: parameters largest first,
-    each to the rank with the fewest so far (ties to the lowest rank). Sizes are full sizes (a DTensor's numel is
-    global), the elements held the tp-local ones."""
-    sizes, held = [0] * dp, [0] * dp
-    for t in sorted(tensors, key=lambda t: t.numel(), reverse=True):
-        rank = sizes.index(min(sizes))
-        sizes[rank] += t.numel()
-        held[rank] += t.numel(tp)
+    """Parameter elements each of dp ranks owns under ZeRO-1 (cost/memory.py's zero1_owners: partitioned by full
+    size, a DTensor's numel being global), counted as the tp-local elements each rank holds."""
+    held = [0] * dp
+    for t, owner in zip(tensors, zero1_owners([t.numel() for t in tensors], dp)):
+        held[owner] += t.numel(tp)
     return held

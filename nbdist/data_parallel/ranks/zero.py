@@ -2,11 +2,11 @@
 
 Stage 1 is torch's ZeroRedundancyOptimizer (zero_optimizer.py). Stages 2 and 3 are FSDP2 (`fully_shard`) on the dp
 dimension of the mesh, for a sharded model (sharding/ranks/sharded.py) or each pipeline stage on its own
-(pipeline_parallel/ranks/pipeline.py), one FSDP unit per top-level layer of the model plus the root: gradients are reduce-scattered into shards and
-the optimizer steps the shards. Stage 3 frees each layer's gathered parameters after its forward
-(reshard_after_forward=True) and gathers them again for its backward; stage 2 keeps them gathered from forward to
-backward (reshard_after_forward=False), which costs memory and saves that second all-gather. On CPU engines the
-mesh is a CPU DeviceMesh, so FSDP2 shards CPU tensors over the mesh's backend.
+(pipeline_parallel/ranks/pipeline.py), one FSDP unit per top-level layer of the model plus the root: gradients are
+reduce-scattered into shards and the optimizer steps the shards. Stage 3 frees each layer's gathered parameters
+after its forward (reshard_after_forward=True) and gathers them again for its backward; stage 2 keeps them gathered
+from forward to backward (reshard_after_forward=False), which costs memory and saves that second all-gather. On CPU
+engines the mesh is a CPU DeviceMesh, so FSDP2 shards CPU tensors over the mesh's backend.
 """
 from __future__ import annotations
 

@@ -5,18 +5,20 @@ a sharded model's replicas (sharding/ranks/sharded.py) and a pipeline's, the rep
 
 Tensor-parallel parameters are DTensors, which ZeroRedundancyOptimizer does not take. For them, `TensorParallelZero`
 does the same on each parameter's local slice: the same partition (largest parameter first, to the replica with the
-fewest elements so far, by full size: what sharding/memory.py's zero1_shares predicts), each replica's optimizer
-steps its own parameters, then each replica broadcasts its parameters' slices over the dp group in one flat
-message. The dp group joins ranks with the same tp coordinate, so their slices have the same shapes.
+fewest elements so far, by full size: cost/memory.py's zero1_owners, what the memory prediction reads), each
+replica's optimizer steps its own parameters, then each replica broadcasts its parameters' slices over the dp group
+in one flat message. The dp group joins ranks with the same tp coordinate, so their slices have the same shapes.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from nbdist.cost.memory import zero1_owners
+from nbdist.data_parallel.ranks.data_parallel import _local
 
 
 def optimizer(params: Iterable[torch.nn.Parameter], make: Callable, stage: int, dp_group) -> torch.optim.Optimizer:
@@ -35,16 +37,6 @@ def optimizer(params: Iterable[torch.nn.Parameter], make: Callable, stage: int, 
     return ZeroRedundancyOptimizer(params, optimizer_class=type(probe), process_group=dp_group, **probe.defaults)
 
 
-def owners(sizes: list[int], replicas: int) -> list[int]:
-    """The replica that steps each parameter: largest first, each to the replica with the fewest elements so far
-    (ties to the lowest), as ZeroRedundancyOptimizer partitions."""
-    held, owner = [0] * replicas, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
-        owner[i] = held.index(min(held))
-        held[owner[i]] += sizes[i]
-    return owner
-
-
 class TensorParallelZero(torch.optim.Optimizer):
     """ZeRO-1 over tensor-parallel (DTensor) parameters: see the module's docstring. Its one group holds every
     parameter, as ZeroRedundancyOptimizer's do: loss scaling unscales, and clipping measures, every gradient, and a
@@ -54,19 +46,14 @@ class TensorParallelZero(torch.optim.Optimizer):
     def __init__(self, params: list[torch.nn.Parameter], make: Callable, dp_group):
         replicas, me = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self._params, self._group = params, dp_group
-        self._owner = owners([p.numel() for p in params], replicas)
+        self._owner = zero1_owners([p.numel() for p in params], replicas)
         self._sources = [dist.get_global_rank(dp_group, r) for r in range(replicas)]
         mine = [p for p, o in zip(params, self._owner) if o == me]
         self.inner = make(mine) if mine else None
         probe = self.inner or make([nn.Parameter(torch.zeros(1))])
-        # torch.optim.Optimizer.__init__ is not called: it would check the group against `make`'s own settings
-        self.defaults = probe.defaults
-        self.param_groups = [{**{k: v for k, v in probe.param_groups[0].items() if k != "params"}, "params": params}]
-        self.state = self.inner.state if self.inner else defaultdict(dict)  # this replica's share only
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        super().__init__(params, {k: v for k, v in probe.param_groups[0].items() if k != "params"})
+        if self.inner is not None:
+            self.state = self.inner.state  # this replica's share only
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -103,8 +90,3 @@ class TensorParallelZero(torch.optim.Optimizer):
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "_local_tensor") and hasattr(t, "placements")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local slice (written in place), or the tensor itself."""
-    return getattr(t, "_local_tensor", t)
