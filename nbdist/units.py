@@ -1,14 +1,61 @@
-"""Sizes as people read them: one formatting rule for every table, figure and benchmark (a leaf: imports nothing).
+"""Sizes and durations as people read them: one formatting rule for every table, figure and benchmark (a leaf:
+imports nothing).
 
-Binary units (KiB = 1024 bytes), as message sizes in collective benchmarks are powers of two.
+Binary units (KiB = 1024 bytes), as message sizes in collective benchmarks are powers of two, and the same units on
+figure axes (`binary_ticks`), so that a line drawn at 80 GiB sits on the axis' "80 GiB" and not at "86G". Numbers
+never print in e-notation: a person reads "1,010 KiB" and "16.8 h", not "1.01e+03 KiB" and "6.036e+04 s".
 """
 from __future__ import annotations
 
+import math
+
+BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _amount(value: float) -> str:
+    """3 significant digits below 100, whole numbers with thousands separators from 100 on (no e-notation)."""
+    if value == int(value) or value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
 
 def format_bytes(size: float) -> str:
-    """1024 -> '1 KiB', 4194304 -> '4 MiB', 1000 -> '1000 B', 1536 -> '1.5 KiB'."""
+    """1024 -> '1 KiB', 4194304 -> '4 MiB', 1000 -> '1000 B', 1536 -> '1.5 KiB', 1034000 -> '1,010 KiB'."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
-            value = size / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
+            return f"{_amount(size / scale)} {unit}"
     return f"{size:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that reads best: '850 µs', '12.3 ms', '4.56 s', '12.5 min', '16.8 h', '2.5 days'."""
+    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60), ("s", 1), ("ms", 1e-3)):
+        if abs(seconds) >= scale:
+            return f"{_amount(seconds / scale)} {unit}"
+    return f"{_amount(seconds * 1e6)} µs"
+
+
+def binary_ticks(top: float, most: int = 6) -> tuple[list[float], list[str]]:
+    """Tick positions (bytes) and their labels for an axis from 0 to `top` bytes: at most `most` + 1 ticks, a round
+    step (1, 2 or 5 x 10^k) in the largest binary unit `top` reaches, labelled by format_bytes."""
+    if top <= 0:
+        return [0.0], ["0 B"]
+    unit = next(scale for _, scale in BINARY_UNITS if top >= scale)
+    span = top / unit
+    raw = span / most
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    step = max(step, 1 / 1024 if unit > 1 else 1)
+    values = [i * step * unit for i in range(int(span / step + 1e-9) + 1)]
+    return values, ["0 B" if v == 0 else format_bytes(v) for v in values]
+
+
+def binary_log_ticks(low: float, high: float) -> tuple[list[float], list[str]]:
+    """Ticks for a log axis of bytes from `low` to `high`: the powers of two between them, labelled by
+    format_bytes ('8 GiB', '16 GiB', ...), thinned to at most 8 so that labels never run together."""
+    if low <= 0 or high <= low:
+        return [], []
+    powers = list(range(math.floor(math.log2(low)), math.ceil(math.log2(high)) + 1))
+    stride = max(1, math.ceil(len(powers) / 8))
+    values = [2.0**p for p in powers[::stride]]
+    return values, [format_bytes(v) for v in values]

@@ -41,6 +41,7 @@ from browser import (
 )
 
 from nbdist.errors import DistUsageError
+from nbdist.units import format_seconds
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 READING_PAUSE = 3.0  # seconds a person spends reading between two clicks
@@ -449,6 +450,7 @@ class PlannerState:
     plots: list[dict]  # the figures shown in the widget: title, drawn
     statuses: int  # visible status lines: 1 when the view shows once
     static_shown: int
+    fit: list[dict] = field(default_factory=list)  # VIEW_FIT_JS: fits, texts, overlaps, colours by term
 
 
 @dataclass
@@ -463,7 +465,7 @@ def _planner_state(output, move: str) -> PlannerState:
     plots = [{"title": str(p["title"]), "drawn": is_drawn(p)} for p in measure_plots(output)
              if p["shown"] and p["in_widget"]]
     return PlannerState(move, seen["status"], seen["step"], seen["refusal"], plots, seen["statuses"],
-                        seen["static_shown"])
+                        seen["static_shown"], output.evaluate(VIEW_FIT_JS))
 
 
 def _slide(page, output, label: str, key: str, presses: int) -> None:
@@ -528,7 +530,7 @@ def test_planner_widget_replans_and_redraws_when_a_control_moves(planner_trial):
     assert selective.step == pytest.approx(expected.step_seconds, rel=1e-5), selective
     assert selective.step < shown.step  # less recomputation, a shorter step
     titles = [p["title"] for p in selective.plots]
-    assert any(f"step {expected.step_seconds:.4g} s" in t for t in titles), titles  # the breakdown redrew
+    assert any(f"step {format_seconds(expected.step_seconds)}," in t for t in titles), titles  # the breakdown redrew
     assert all(p["drawn"] for state in planner_trial.states for p in state.plots)
 
 
@@ -536,7 +538,8 @@ def test_planner_widget_says_in_one_line_why_a_plan_is_impossible(planner_trial)
     refused = planner_trial.states[2]
     with pytest.raises(DistUsageError) as why:
         _predicted(recompute="selective", tp=5, gpus=5 * 8 * 24)
-    assert refused.refusal == str(why.value) and "\n" not in refused.refusal
+    setting = f"{PLANNER_MODEL} on a100-80gb, ZeRO 0"  # what is refused, said in the line itself (and its export)
+    assert refused.refusal == f"{setting}: {why.value}" and "\n" not in refused.refusal
     assert refused.step is None and refused.plots == [] and "refused" in refused.status
 
 
@@ -548,6 +551,209 @@ def test_planner_widget_comes_back_and_plans_context_parallelism(planner_trial):
     assert "3072 GPUs = t 8 × c 2 × p 8 × d 24" in context.status
 
 
+def test_planner_widget_figures_fit_read_and_keep_their_colours(planner_trial):
+    colours: dict[str, set[str]] = {}
+    for state in planner_trial.states:
+        assert len(state.fit) == len(state.plots), state
+        assert _unreadable(state.fit) == [], (state.move, _unreadable(state.fit))
+        for plot in state.fit:
+            for term, colour in plot["colours"].items():
+                colours.setdefault(term, set()).add(colour)
+    assert colours and all(len(c) == 1 for c in colours.values()), colours  # one colour per term, every redraw
+    texts = [t for state in planner_trial.states for plot in state.fit for t in plot["texts"]]
+    assert "80 GiB" in texts, texts  # the A100's memory on a binary axis, labelled in binary units
+
+
 def test_planner_widget_shows_once_and_the_console_stays_clean(planner_trial):
     assert all(s.statuses == 1 and s.static_shown == 0 for s in planner_trial.states), planner_trial.states
     assert planner_trial.console_errors == []
+
+
+# -- readable views: every figure fits its widget, units one way, errors in the view --------------------------------
+
+# For every plotly graph in a live widget under `out`: its drawn svg against its widget's box (nothing clipped), its
+# texts (no e-notation anywhere a person reads), the texts that overlap (title and subtitle, legend and axis title,
+# tick labels running together), and the colour of each bar trace by name.
+VIEW_FIT_JS = """
+out => {
+  const shown = el => el.offsetParent !== null && el.getBoundingClientRect().width > 0;
+  const rect = el => { const r = el.getBoundingClientRect(); return {l: r.left, r: r.right, t: r.top, b: r.bottom}; };
+  const overlap = (a, b) => Math.min(a.r, b.r) - Math.max(a.l, b.l) > 1 && Math.min(a.b, b.b) - Math.max(a.t, b.t) > 1;
+  return Array.from(out.querySelectorAll('.nbdist-plot')).filter(shown).map(gd => {
+    const box = rect(gd.parentElement), svg = rect(gd.querySelector('.main-svg') || gd);
+    const parts = [];
+    const add = (kind, sel) => gd.querySelectorAll(sel).forEach(
+      el => { if (el.getBoundingClientRect().width > 0) parts.push({kind, r: rect(el), text: el.textContent}); });
+    add('title', '.gtitle'); add('subtitle', '.gtitle-subtitle'); add('legend', '.legend .bg');
+    add('axis title', '.g-xtitle text, .g-ytitle text'); add('xtick', '.xtick text');
+    const overlaps = [];
+    parts.forEach((a, i) => parts.slice(i + 1).forEach(b => {
+      if (overlap(a.r, b.r)) overlaps.push(`${a.kind} '${a.text}' / ${b.kind} '${b.text}'`); }));
+    const colours = {};
+    gd.querySelectorAll('.barlayer g.trace').forEach(t => {
+      const d = t.__data__, p = t.querySelector('.point path');
+      if (d && d[0] && d[0].trace && p) colours[d[0].trace.name] = p.style.fill; });
+    const outside = parts.filter(p => p.r.l < svg.l - 1 || p.r.r > svg.r + 1).map(p => `${p.kind} '${p.text}'`);
+    return {title: ((gd.layout || {}).title || {}).text || '', box: box, svg: svg, outside: outside,
+            fits: svg.l >= box.l - 1 && svg.r <= box.r + 1 && svg.r - svg.l > 0,
+            texts: Array.from(gd.querySelectorAll('.main-svg text')).map(t => t.textContent).filter(t => t),
+            overlaps: overlaps, colours: colours, tickfont: Array.from(gd.querySelectorAll('.textpoint text, ' +
+              '.heatmaplayer text')).map(t => parseFloat(getComputedStyle(t).fontSize))};
+  });
+}
+"""
+E_NOTATION = re.compile(r"\d[eE][+-]\d")
+DECIMAL_BYTES = re.compile(r"^\d+(\.\d+)?[kMGT]$")  # plotly's "~s" ticks: 288.465M, 86G
+
+
+def _unreadable(plots: list[dict]) -> list[str]:
+    """What a person cannot read in these plots: clipped, e-notation, decimal byte ticks, overlapping texts."""
+    faults = []
+    for plot in plots:
+        name = plot["title"][:50]
+        if not plot["fits"]:
+            faults.append(f"{name}: clipped, svg {plot['svg']} in box {plot['box']}")
+        faults += [f"{name}: e-notation {t!r}" for t in plot["texts"] if E_NOTATION.search(t)]
+        faults += [f"{name}: decimal unit {t!r}" for t in plot["texts"] if DECIMAL_BYTES.match(t)]
+        faults += [f"{name}: overlap {o}" for o in plot["overlaps"]]
+        faults += [f"{name}: cut off at the figure's edge: {o}" for o in plot["outside"]]
+        faults += [f"{name}: {size}px cell text" for size in plot["tickfont"] if size < 9]
+    return faults
+
+
+@dataclass
+class ViewsRun:
+    """What the sharding planner (lab 33) and the Trainer's dashboard (lab 34) showed, move by move."""
+
+    planner: dict[str, dict] = field(default_factory=dict)  # move -> {plots, status, refusal, apply_disabled}
+    dashboard: dict = field(default_factory=dict)
+    console_errors: list[str] = field(default_factory=list)
+
+
+VIEWS_CELLS = [
+    dedent("""\
+        import nbdist
+        from nbdist import models
+
+        cluster = nbdist.start(4)
+
+        def tiny_gpt():
+            from nbdist import models
+            return models.gpt(vocab=256, seq=16, layers=4, hidden=32, heads=4, seed=0)
+
+        plan = nbdist.shard(tiny_gpt, dp=1, pp=2, tp=2, microbatches=2, batch=8).profile()
+        view = plan.widget()
+        view"""),
+    dedent("""\
+        def text():
+            from nbdist import data
+            return data.text_dataset(seq=16, max_bytes=1 << 16)
+
+        def adam(params):
+            import torch
+            return torch.optim.Adam(params, lr=1e-3)
+
+        tr = nbdist.Trainer(tiny_gpt, text, models.lm_loss, adam, batch_size=16, seed=0)
+        history = tr.fit(steps=10)"""),
+    "nbdist.stop()",
+]
+PLANNER_STATUS_JS = """
+out => ({status: (out.querySelector('.jupyter-widgets .nbdist-plan-describe') || {}).textContent || '',
+         refusal: (out.querySelector('.jupyter-widgets .nbdist-refusal') || {}).textContent || '',
+         apply_disabled: Array.from(out.querySelectorAll('button')).filter(b => /Apply/.test(b.textContent))
+                              .map(b => b.disabled)[0]})
+"""
+DASHBOARD_JS = """
+out => ({progress: (Array.from(out.querySelectorAll('.jupyter-widgets .widget-html-content'))
+                       .map(e => e.textContent).find(t => /step \\d+ /.test(t)) || ''),
+         static_height: Array.from(out.querySelectorAll('.nbdist-static-copy'))
+                       .map(e => e.closest('.jp-OutputArea-output') || e)
+                       .reduce((h, e) => h + e.getBoundingClientRect().height, 0),
+         annotations: Array.from(out.querySelectorAll('.nbdist-plot .annotation-text')).map(a => a.textContent)})
+"""
+
+
+def _pick(output, label: str, option: str) -> None:
+    """Choose `option` in the dropdown labelled `label`, as a person does."""
+    output.locator(".widget-dropdown").filter(has=output.page.locator(f'label:text-is("{label}")')) \
+        .locator("select").select_option(label=option)
+
+
+def _planner_seen(notebook: LabNotebook, output) -> dict:
+    wait_for(notebook.idle, 120)
+    time.sleep(1.0)  # plotly's draw and the resize observer
+    return {**output.evaluate(PLANNER_STATUS_JS), "plots": output.evaluate(VIEW_FIT_JS)}
+
+
+@pytest.fixture(scope="module")
+def views(lab, browser) -> ViewsRun:
+    """The sharding planner shown, redrawn by a control, then the cluster stopped under it and a new tp chosen;
+    a 10-step fit's dashboard between the two."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in VIEWS_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / "views_trial.ipynb")
+    run = ViewsRun()
+    page = browser.new_page(viewport=(1280, 2000))  # tall: a cell's screenshot shows the whole planner
+    try:
+        notebook = LabNotebook(lab, page, "views_trial.ipynb")
+        notebook.run_cell(0, timeout=300)
+        planner = notebook.output(0)
+        wait_for(lambda: len(planner.evaluate(VIEW_FIT_JS)) == 3, 30)
+        run.planner["shown"] = _planner_seen(notebook, planner)
+        screenshot(notebook.cells.nth(0), "views-planner-1-shown")
+        _pick(planner, "schedule", "gpipe")
+        run.planner["schedule: gpipe"] = _planner_seen(notebook, planner)
+        screenshot(notebook.cells.nth(0), "views-planner-2-gpipe")
+        notebook.run_cell(1, timeout=300)
+        dashboard = notebook.output(1)
+        time.sleep(1.5)
+        run.dashboard = {**dashboard.evaluate(DASHBOARD_JS), "plots": dashboard.evaluate(VIEW_FIT_JS)}
+        screenshot(notebook.cells.nth(1), "views-dashboard")
+        notebook.run_cell(2, timeout=120)
+        _pick(planner, "dp", "2")  # refused: dp·pp·tp = 8 on 4 ranks
+        _pick(planner, "tp", "1")  # a new tp: its overheads need the (stopped) engines
+        run.planner["stopped, tp 1"] = _planner_seen(notebook, planner)
+        screenshot(notebook.cells.nth(0), "views-planner-3-stopped")
+    finally:
+        lab.shutdown_kernels()  # the kernel, and its cluster if the trial broke before stopping it
+        page.context.close()
+    run.console_errors = list(page.console_errors)
+    _record(run, "views")
+    return run
+
+
+def test_sharding_planner_figures_fit_and_read_at_every_redraw(views):
+    for move in ("shown", "schedule: gpipe", "stopped, tp 1"):
+        seen = views.planner[move]
+        assert len(seen["plots"]) >= 2, (move, seen)
+        assert _unreadable(seen["plots"]) == [], (move, _unreadable(seen["plots"]))
+    redrawn = views.planner["schedule: gpipe"]
+    assert "schedule=gpipe" in redrawn["status"] and len(redrawn["plots"]) == 3, redrawn["status"]
+
+
+def test_sharding_planner_says_the_cluster_stopped_and_disables_apply(views):
+    from nbdist.sharding.widget import STOPPED
+
+    seen = views.planner["stopped, tp 1"]
+    assert seen["refusal"] == STOPPED and seen["apply_disabled"] is True, seen
+    assert "dp=2 pp=2 tp=1" in seen["status"], seen["status"]  # the status line names the plan now chosen
+    assert views.planner["shown"]["apply_disabled"] is False
+
+
+def test_dashboard_reads_per_step_and_takes_no_space_for_its_static_copy(views):
+    from nbdist.viz.training import NO_SAMPLE, SPLIT_TITLE
+
+    seen = views.dashboard
+    plots = seen["plots"]
+    assert len(plots) == 1 and _unreadable(plots) == [], _unreadable(plots)
+    texts = plots[0]["texts"]
+    assert SPLIT_TITLE in texts, texts  # the per-step panel says it is a mean per step
+    step = re.search(r"step (\d+)", seen["progress"])
+    assert step and plots[0]["title"].endswith(f"step {step.group(1)}"), (seen["progress"], plots[0]["title"])
+    sampled = any(t.endswith(("MiB", "GiB", "KiB")) for t in texts)
+    assert sampled or NO_SAMPLE.split("<br>")[0] in " ".join(seen["annotations"]), (texts, seen["annotations"])
+    assert seen["static_height"] < 5, f"the static copy takes {seen['static_height']} px under the live dashboard"
+
+
+def test_views_console_stays_clean(views):
+    assert views.console_errors == []

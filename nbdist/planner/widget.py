@@ -16,7 +16,7 @@ import ipywidgets as widgets
 from nbdist.errors import DistUsageError
 from nbdist.planner import PROFILES, Prediction, gpt, hardware, predict
 from nbdist.planner.model import GPT, RECOMPUTE, llama
-from nbdist.units import format_bytes
+from nbdist.units import format_bytes, format_seconds
 from nbdist.viz.cluster_plan import memory_bar_figure, time_breakdown_figure
 from nbdist.viz.display import figure_html
 from nbdist.widgets.controls import Controls
@@ -123,11 +123,11 @@ class ClusterPlannerView(Controls, WithStaticCopy):
     def _draw(self) -> None:
         p = self.prediction
         problem = self.refusal or self.reason
-        self.refusal_line.value = (f'<p class="nbdist-refusal" style="color:#B00020">{html.escape(problem)}</p>'
-                                   if problem else "")
+        self.refusal_line.value = (f'<p class="nbdist-refusal" style="color:#B00020">'
+                                   f"{html.escape(self.setting())}: {html.escape(problem)}</p>" if problem else "")
         self._figures = [] if p is None else [
             memory_bar_figure(p.breakdown["memory"], p.hardware.memory_bytes),
-            time_breakdown_figure(p.breakdown["time"], title=f"step {p.step_seconds:.4g} s, bubble "
+            time_breakdown_figure(p.breakdown["time"], title=f"step {format_seconds(p.step_seconds)}, bubble "
                                                              f"{p.pipeline.bubble_fraction:.1%}")]
         for view, figure in zip((self.memory, self.time), self._figures or [None, None]):
             view.layout.display = "none" if figure is None else None
@@ -138,6 +138,11 @@ class ClusterPlannerView(Controls, WithStaticCopy):
         self.status.value = HIDE_STATIC_COPY + self._status_html()
         self._update_static()
 
+    def setting(self) -> str:
+        """What a refusal refuses, beyond the plan's numbers: the model, the GPU and the ZeRO stage (an exported
+        refusal line must say them: the controls are not in the export)."""
+        return f"{self.model.value} on {self.hardware.value}, ZeRO {self.zero.value}"
+
     def _status_html(self) -> str:
         p = self.prediction
         context = f" × c {self.cp.value}" if self.cp.value > 1 else ""
@@ -145,8 +150,8 @@ class ClusterPlannerView(Controls, WithStaticCopy):
         if p is None:
             return f'<div class="nbdist-cluster-planner"><b>{head}</b>: refused</div>'
         return (f'<div class="nbdist-cluster-planner" data-step-s="{p.step_seconds:.6g}" '
-                f'data-memory="{p.memory_per_gpu:.6g}"><b>{head}</b>: step {p.step_seconds:.4g} s, '
-                f"{p.tokens_per_second:,.0f} tokens/s, {p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {p.mfu:.1%}, "
+                f'data-memory="{p.memory_per_gpu:.6g}"><b>{head}</b>: step {format_seconds(p.step_seconds)}, '
+                f"{p.tokens_per_second:,.0f} tokens/s, {p.tflops_per_gpu:,.1f} TFLOP/s per GPU, MFU {p.mfu:.1%}, "
                 f"{format_bytes(p.memory_per_gpu)} per GPU ({'fits' if p.fits else 'does not fit'})</div>")
 
     # -- display -------------------------------------------------------------------------------------------------
@@ -156,7 +161,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
         return f'<div class="{STATIC_COPY}">{self._status_html()}{self.refusal_line.value}{figures}</div>'
 
     def _static_text(self) -> str:
-        return f"refused: {self.refusal}" if self.refusal else str(self.prediction)
+        return f"refused: {self.setting()}: {self.refusal}" if self.refusal else str(self.prediction)
 
     def __repr__(self) -> str:
         what = self.refusal or (self.prediction.describe() if self.prediction else "")

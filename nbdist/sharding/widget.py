@@ -5,7 +5,10 @@ per rank its predicted memory (Plan.ranks / predicted_memory), where each rank s
 (Plan.layers), and once the layers are timed on an engine ("Profile on the engines": Plan.profile) the predicted
 step (Plan.predicted_step: its simulated pipeline drawn with the one timeline drawing, viz/timeline.py). Nothing
 here prices anything. A plan `changed` refuses (dp·pp·tp not the world size, tp not dividing the heads, more
-stages than layers, ...) is shown as the refusal's one line in place of the figures, and Apply is disabled.
+stages than layers, ...) is shown as the refusal's one line in place of the figures, and Apply is disabled. A
+plan that needs the engines to redraw (its step time, Profile, Apply) while the cluster is stopped (the lab's last
+cell stops it) shows that in one line too, its memory and placement still drawn, Profile and Apply disabled: the
+view never freezes on an error that only the kernel's log would see.
 
 New plans are changed from the last profiled plan (`origin`, at first the plan given): Plan.changed keeps layer
 times where tp is the same as its own, so moving tp away and back finds the times again.
@@ -50,6 +53,8 @@ BALANCES = (("by parameters", "parameters"), ("by time (profile first)", "time")
 PARAM_BYTES = 4  # fp32, as the plan predicts
 CONTROLS = ("dp", "pp", "tp", "zero", "optimizer", "microbatches", "batch", "schedule", "chunks", "balance_by",
             "counts")
+STOPPED = ("the cluster is stopped: start it again (cluster.start()) to redraw the step time, profile or apply; "
+           "memory and placement need no engines")
 
 
 def divisors(n: int) -> list[int]:
@@ -90,6 +95,7 @@ class PlannerView(Controls, WithStaticCopy):
         self.origin = self.plan = plan
         self.optimizer_fn = optimizer_fn
         self.refusal: str | None = None
+        self.problem: str | None = None  # why the engines could not answer (the cluster stopped, a rank failed)
         self.applied = None
         self.applied_plan = None
         self.step: StepTime | None = None
@@ -97,14 +103,15 @@ class PlannerView(Controls, WithStaticCopy):
         self._figures: list = []
         self._static_handle = None
         self._make_controls(plan)
-        # side by side, each in its own share of the row (a figure of fixed width would overlap its neighbour)
-        self.memory = PlotlyFigure(layout=widgets.Layout(width="58%"))
-        self.placement = PlotlyFigure(layout=widgets.Layout(width="42%"))
-        self.timeline = PlotlyFigure()
+        # side by side where the row is wide enough for both, else one under the other (each figure fits its box)
+        self.memory = PlotlyFigure(layout=widgets.Layout(flex="1 1 420px", min_width="320px"))
+        self.placement = PlotlyFigure(layout=widgets.Layout(flex="1 1 480px", min_width="320px"))
+        self.timeline = PlotlyFigure(layout=widgets.Layout(width="100%"))
         self.status, self.refusal_line, self.layers = widgets.HTML(), widgets.HTML(), widgets.HTML()
         self.widget = widgets.VBox([
             *self._control_rows(), self.status, self.refusal_line,
-            widgets.HBox([self.memory, self.placement]), self.timeline, self.layers])
+            widgets.HBox([self.memory, self.placement], layout=widgets.Layout(flex_flow="row wrap", width="100%")),
+            self.timeline, self.layers])
         self._draw()
 
     # -- controls ------------------------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ class PlannerView(Controls, WithStaticCopy):
         if change["owner"] is self.schedule:
             with self.quietly():
                 self._chunks_for_schedule()
-        self._replan()
+        self._safely(self._replan)  # a control's handler: its failure is shown in the view, not in the kernel's log
 
     def _chunks_for_schedule(self) -> None:
         """Interleaving needs two chunks or more per rank, the other schedules one: the chunks follow the choice."""
@@ -227,7 +234,9 @@ class PlannerView(Controls, WithStaticCopy):
         try:
             action()
         except (DistUsageError, DistError) as e:
-            self._note = f"{type(e).__name__}: {e}"
+            self._note = STOPPED if not self.plan.cluster.running else f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a callback's error would otherwise reach only the kernel's log
+            self._note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         finally:
             self._draw()
 
@@ -240,11 +249,17 @@ class PlannerView(Controls, WithStaticCopy):
         if self.counts.disabled and not refused:
             with self.quietly():
                 self.counts.value = _counts_text(plan)
-        self.apply_button.disabled = refused
-        self.profile_button.disabled = False
-        self.refusal_line.value = (f'<p class="nbdist-refusal" style="color:#B00020">{html.escape(self.refusal)}</p>'
-                                   if refused else "")
-        self.step = _predicted_step(plan) if not refused else None
+        self.step, self.problem = None, None
+        if not refused:
+            self.step, self.problem = _step_or_problem(plan)
+        running = plan.cluster.running
+        if not running and not refused:
+            self.problem = self.problem or STOPPED
+        self.apply_button.disabled = refused or not running
+        self.profile_button.disabled = not running
+        line = self.refusal or self.problem
+        self.refusal_line.value = (f'<p class="nbdist-refusal" style="color:#B00020">{html.escape(line)}</p>'
+                                   if line else "")
         self._figures = [] if refused else self._plan_figures(plan)
         for view, figure in zip((self.memory, self.placement, self.timeline), [*self._figures, None, None, None]):
             view.layout.display = "none" if figure is None else None
@@ -281,6 +296,8 @@ class PlannerView(Controls, WithStaticCopy):
                 f'<span class="nbdist-plan-step" data-total-s="{s.total_s:.6g}" data-bubble="{s.bubble_fraction:.4f}">'
                 f"predicted step {_ms(s.total_s)}: pipeline {_ms(s.makespan_s)} (bubble {s.bubble_fraction:.1%}) + "
                 f"data-parallel sync {_ms(max(s.dp_sync_s))}</span>")
+        elif self.problem is not None:
+            lines.append("step time: not predicted (see the line below)")
         elif self.refusal is None:
             lines.append("step time: not predicted yet: press <i>Profile on the engines</i> (times every layer on "
                          "rank 0)")
@@ -308,6 +325,15 @@ def _predicted_step(plan) -> StepTime | None:
     if any(layer.forward_s is None for layer in plan.layers):
         return None
     return plan.predicted_step()  # its pipeline Timeline is in seconds: the drawing shows ms
+
+
+def _step_or_problem(plan) -> tuple[StepTime | None, str | None]:
+    """(the predicted step, None), or (None, why the engines could not give it): a plan changed from a profiled one
+    may need the engines again (a new tp times its overheads), and a stopped cluster must say so in the view."""
+    try:
+        return _predicted_step(plan), None
+    except (DistUsageError, DistError) as e:
+        return None, STOPPED if not plan.cluster.running else f"{type(e).__name__}: {e}"
 
 
 def _counts_text(plan) -> str:

@@ -93,7 +93,7 @@ class Dashboard(WithStaticCopy):
     def figure_json(self) -> dict:
         """The figure as plotly JSON: the traces and layout of a figure of this shape (built once per kernel and
         kept: building one takes ~0.1 s) with this run's values and title."""
-        from nbdist.viz.training import shape_of, trace_values  # plotly: loaded at the first draw, not at open
+        from nbdist.viz.training import shape_of, trace_values, utilisation_axes, utilisation_note  # at first draw
 
         shape = shape_of(self.live.records, self.telemetry)
         template = _TEMPLATES.get(shape)
@@ -101,16 +101,29 @@ class Dashboard(WithStaticCopy):
             template = _TEMPLATES[shape] = json.loads(self.figure().to_json())
         data = [{**trace, **values} for trace, values in
                 zip(template["data"], trace_values(self.live.records, self.telemetry))]
-        return {"data": data, "layout": {**template["layout"], "title": {"text": self._title()}}}
+        layout = template["layout"]
+        notes = [a for a in layout.get("annotations", []) if a.get("name") != "no-telemetry"]
+        axes = {name: {**layout.get(name, {}), **patch} for name, patch in utilisation_axes(self.telemetry).items()}
+        return {"data": data, "layout": {
+            **layout, **axes, "annotations": notes + utilisation_note(self.telemetry),
+            "title": {**layout.get("title", {}), "text": self._title(), "subtitle": {"text": self._what()}}}}
 
     def figure(self):
         """The figure as a plotly Figure (what a test or a person may inspect)."""
         from nbdist.viz.training import training_figure
 
-        return training_figure(self.live.records, self.telemetry, title=self._title())
+        return training_figure(self.live.records, self.telemetry, title=self._title(), subtitle=self._what())
 
     def _title(self) -> str:
-        return f"{self.trainer!r}"[1:-1]
+        """The trainer and the newest step the figure draws: the same step the progress line names (the trainer's
+        own count lags while a fit runs, and counts steps done, one more than the last step's number). Short: the
+        plan goes in the subtitle, so the title fits a narrow figure."""
+        rows = [r for r in self.live.records if r["loss"] is not None]
+        return f"Trainer {self.trainer.id}: step {rows[-1]['step']}" if rows else f"Trainer {self.trainer.id}"
+
+    def _what(self) -> str:
+        """What the trainer trains, from its own description: the plan, or the sync mode and replicas."""
+        return f"{self.trainer!r}"[1:-1].split(": ", 1)[-1].rsplit("; step ", 1)[0]
 
     def close(self, history, summary: bool = True) -> None:
         """The run's end: draw the whole history, update the static copy, print the text summary (not from a

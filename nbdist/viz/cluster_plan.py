@@ -1,20 +1,33 @@
 """Pictures of a plan at cluster scale, drawn from plain data (dicts and lists of numbers): the bytes per GPU by
 part against the accelerator's memory, the step's time by term, the frontier of a plan search, and predicted
 against published runs. The numbers come from nbdist/planner; nothing is computed here but positions.
+
+For people: each step term keeps one colour whatever other terms appear (TIME_COLOURS, by name), bytes are on
+binary axes with binary labels (nbdist.units: the 80 GiB line sits on the axis' "80 GiB"), durations read
+"16.8 h", not "6.036e+04 s", and legends sit below the tick labels with no axis title for them to cover (the
+unit is in every tick label).
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from nbdist.units import format_bytes
+from nbdist.units import binary_log_ticks, binary_ticks, format_bytes, format_seconds
 
 MEMORY_COLOURS = {"weights": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "gathered layers": "#72B7B2",
                   "activations": "#B279A2",
                   "logits": "#E45756", "reserved": "#BAB0AC"}
-TIME_COLOURS = ("#4C78A8", "#72B7B2", "#54A24B", "#F58518", "#E45756", "#FF9DA6", "#B279A2", "#9D755D", "#EECA3B",
-                "#BAB0AC", "#79706E")
+# one colour per step term, by name (nbdist.planner.prediction.TIME_TERMS), whichever terms a plan has
+TIME_COLOURS = {"matmul": "#4C78A8", "element-wise": "#72B7B2", "recomputation": "#8CD17D",
+                "tensor-parallel all-reduces": "#F58518", "context-parallel k/v ring (exposed)": "#17BECF",
+                "ZeRO collectives (exposed)": "#8C564B", "pipeline sends (blocking)": "#FF9DA6",
+                "pipeline bubble and messages": "#E45756", "data-parallel sync (exposed)": "#B279A2",
+                "all-gather of updated weights": "#9D755D", "tied embedding sync": "#EECA3B",
+                "optimizer": MEMORY_COLOURS["optimizer"]}  # the optimizer's time in its memory's colour
+OTHER_COLOURS = ("#BAB0AC", "#D62728", "#1F77B4", "#2CA02C")  # a term not named above: by a stable hash of its name
+LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.3, "x": 0}  # under the tick labels, no axis title
 
 
 def memory_bar_figure(memory: Mapping[str, float], capacity: float, title: str | None = None) -> go.Figure:
@@ -27,26 +40,46 @@ def memory_bar_figure(memory: Mapping[str, float], capacity: float, title: str |
     fig = go.Figure(traces)
     fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
                   annotation_text=f"memory {format_bytes(capacity)}", annotation_position="top")
+    top = max(total, capacity) * 1.05
+    values, labels = binary_ticks(top)
     fig.update_layout(
         title=title or f"memory per GPU: {format_bytes(total)} of {format_bytes(capacity)}", barmode="stack",
-        height=230, margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend={"orientation": "h", "y": -0.35},
-        xaxis={"title": "bytes", "tickformat": "~s", "range": [0, max(total, capacity) * 1.05]})
+        height=250, margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend=LEGEND_BELOW,
+        xaxis={"range": [0, top], "tickmode": "array", "tickvals": values, "ticktext": labels})
     return fig
+
+
+def time_colour(term: str) -> str:
+    """A step term's colour: the same in every figure and at every redraw, whichever other terms are drawn."""
+    if term in TIME_COLOURS:
+        return TIME_COLOURS[term]
+    return OTHER_COLOURS[sum(term.encode()) % len(OTHER_COLOURS)]
 
 
 def time_breakdown_figure(time: Mapping[str, float], title: str | None = None) -> go.Figure:
     """One horizontal bar of the step's seconds, a segment per term (terms of zero left out)."""
     total = sum(time.values())
     terms = [(name, value) for name, value in time.items() if value > 1e-12]
-    traces = [go.Bar(name=name, y=["step"], x=[value], orientation="h",
-                     marker={"color": TIME_COLOURS[i % len(TIME_COLOURS)]},
-                     hovertext=[f"{name}: {value:.4g} s ({value / total:.1%})"], hoverinfo="text")
-              for i, (name, value) in enumerate(terms)]
+    traces = [go.Bar(name=name, y=["step"], x=[value], orientation="h", marker={"color": time_colour(name)},
+                     hovertext=[f"{name}: {format_seconds(value)} ({value / total:.1%})"], hoverinfo="text")
+              for name, value in terms]
     fig = go.Figure(traces)
-    fig.update_layout(title=title or f"step time: {total:.4g} s", barmode="stack", height=230,
-                      margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend={"orientation": "h", "y": -0.35},
-                      xaxis={"title": "seconds per step"})
+    values, labels = _second_ticks(total)
+    fig.update_layout(title=title or f"step time: {format_seconds(total)}", barmode="stack", height=250,
+                      margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend=LEGEND_BELOW,
+                      xaxis={"range": [0, total * 1.02], "tickmode": "array", "tickvals": values, "ticktext": labels})
     return fig
+
+
+def _second_ticks(total: float, most: int = 6) -> tuple[list[float], list[str]]:
+    """Ticks from 0 to `total` seconds at a round step, each labelled with its unit ('2 s', '500 ms', '1.5 h')."""
+    if total <= 0:
+        return [0.0], ["0 s"]
+    raw = total / most
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    values = [i * step for i in range(int(total / step + 1e-9) + 1)]
+    return values, ["0 s" if v == 0 else format_seconds(v) for v in values]
 
 
 def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | None = None,
@@ -70,8 +103,11 @@ def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | 
                                  hovertext=[best["plan"]], hoverinfo="text"))
     fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
                   annotation_text=f"memory {format_bytes(capacity)}")
+    memory = [p["memory"] for p in points] + [capacity]
+    values, labels = binary_log_ticks(min(memory), max(memory))
     fig.update_layout(title=title or "plans: memory per GPU against throughput", height=420,
-                      xaxis={"title": "bytes per GPU (log)", "type": "log", "tickformat": "~s"},
+                      xaxis={"title": "memory per GPU (log)", "type": "log", "tickmode": "array", "tickvals": values,
+                             "ticktext": labels},
                       yaxis={"title": "tokens per second", "rangemode": "tozero"},
                       margin={"l": 70, "r": 20, "t": 60, "b": 50})
     return fig

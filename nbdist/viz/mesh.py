@@ -10,6 +10,7 @@ from itertools import product
 
 import plotly.graph_objects as go
 
+CELL_FONT_SIZE = 11  # a fixed size: plotly's default ("auto") shrinks a cell's text to ~5 px in a narrow figure
 REPLICA_COLOURS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#EECA3B", "#9D755D"]
 
 
@@ -32,7 +33,8 @@ def mesh_figure(mesh, title: str | None = None) -> go.Figure:
             hover[-1].append(f"rank {rank}: " + ", ".join(f"{k}={coords[k]}" for k in mesh.names))
     colours = max(1, mesh.dim_size(colour_dim) if colour_dim else 1)
     fig = go.Figure(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text", showscale=False,
+        z=z, text=text, texttemplate="%{text}", textfont={"size": CELL_FONT_SIZE}, hovertext=hover, hoverinfo="text",
+        showscale=False,
         colorscale=_discrete(colours), zmin=-0.5, zmax=colours - 0.5, xgap=4, ygap=4,
     ))
     fig.update_layout(

@@ -4,7 +4,7 @@ Drawn from plain data only (the rows `Plan.ranks()` gives, a Mesh, dicts of numb
 static copy in an exported notebook and a test all draw the same thing from the same numbers. The numbers are
 never computed here: they come from nbdist/sharding/memory.py and step_time.py through the plan.
 
-Memory is one stacked bar per rank, in bytes (hover: binary units, as every nbdist table prints them), with the
+Memory is one stacked bar per rank, in bytes (axis and hover: binary units, as every nbdist table prints them), with the
 four parts the ZeRO paper names: parameters, gradients, optimizer state, activations. The placement figure is the
 mesh's picture (viz/mesh.py: a row per pipeline stage, a cell per rank, coloured by replica) with what each rank
 holds written in its cell.
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from nbdist.units import format_bytes
+from nbdist.units import binary_ticks, format_bytes
 from nbdist.viz.mesh import mesh_figure
 
 # part of a rank's memory -> (legend label, colour); the keys are RankMemory's fields
@@ -52,12 +52,18 @@ def memory_figure(rows: Sequence[Mapping], title: str | None = None) -> go.Figur
         peak = max(range(len(totals)), key=totals.__getitem__)
         title = f"predicted memory per rank: at most {format_bytes(totals[peak])} ({labels[peak]})"
     fig.update_layout(
-        title=title, barmode="stack", height=340, margin={"l": 70, "r": 20, "t": 60, "b": 40},
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 0},
-        yaxis={"title": "bytes (peak, predicted)", "tickformat": "~s", "rangemode": "tozero"},
+        title=title, barmode="stack", height=360, margin={"l": 70, "r": 20, "t": 60, "b": 40},
+        legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0},  # under the ranks, not over the bars
+        yaxis={"title": "peak memory (predicted)", "rangemode": "tozero", **_byte_ticks(max(totals, default=0))},
         xaxis={"type": "category"},
     )
     return fig
+
+
+def _byte_ticks(top: float) -> dict:
+    """A bytes axis in binary units with binary labels ('256 KiB', not plotly's decimal '262k')."""
+    values, labels = binary_ticks(top)
+    return {"tickmode": "array", "tickvals": values, "ticktext": labels}
 
 
 def _coords(row: Mapping) -> str:

@@ -5,7 +5,8 @@ state. Plotly's mimetype in an ipywidgets Output, replaced at each update, makes
 resize a plot div it has just detached ("Resize must be passed a displayed plot div element." in the console
 after every click). Here the widget state holds only the figure's JSON; plotly.js comes from the page when it
 has one (JupyterLab's plotly renderer, or an exported notebook's embedded copy) and otherwise from the kernel, once
-per page, in a message that is not saved with the notebook.
+per page, in a message that is not saved with the notebook. Every draw fits the plot to its container's width
+(see the script's `fitted`): nothing is clipped, on the first draw or any later one.
 """
 from __future__ import annotations
 
@@ -42,22 +43,41 @@ function loadPlotly(model) {
   return window[KEY];
 }
 
+// The plot fits its container at every draw: plotly sizes a plot from its div's width when it draws, and a div
+// not yet laid out (a widget rendered before it is attached, or shown after display: none) measures 0, which made
+// plotly fall back to 700 px and clip the figure until the window was resized. So a draw waits for a width, a
+// figure asking for more width than there is gets the container's, and a ResizeObserver redraws when it changes.
+function fitted(layout, width) {
+  const wanted = layout.width;
+  return { ...layout, autosize: true, width: wanted && wanted < width ? wanted : width };
+}
+
 export default {
   async render({ model, el }) {
     const plot = document.createElement("div");
     plot.className = "nbdist-plot";
+    plot.style.width = "100%";
     el.appendChild(plot);
     const Plotly = await loadPlotly(model);
     let alive = true;
+    let drawnWidth = 0;
     const draw = () => {
       if (!alive) return;
+      const width = Math.floor(plot.getBoundingClientRect().width);
+      if (width <= 0) return;  // not laid out yet: the observer draws when it is
+      drawnWidth = width;
       const figure = model.get("figure") || {};
-      Plotly.react(plot, figure.data || [], figure.layout || {}, { responsive: true, displaylogo: false });
+      Plotly.react(plot, figure.data || [], fitted(figure.layout || {}, width), { displaylogo: false });
     };
+    const observer = new ResizeObserver(() => {
+      if (Math.floor(plot.getBoundingClientRect().width) !== drawnWidth) draw();
+    });
+    observer.observe(plot);
     draw();
     model.on("change:figure", draw);
     return () => {
       alive = false;
+      observer.disconnect();
       model.off("change:figure", draw);
       Plotly.purge(plot);
     };
