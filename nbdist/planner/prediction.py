@@ -19,7 +19,7 @@ from nbdist.planner import step
 from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import PipelineRun
-from nbdist.units import format_bytes
+from nbdist.units import format_bytes, format_seconds
 
 TIME_TERMS = ("matmul", "element-wise", "recomputation", "tensor-parallel all-reduces",
               "context-parallel k/v ring (exposed)", "ZeRO collectives (exposed)", "pipeline sends (blocking)",
@@ -149,17 +149,17 @@ class Prediction:
         time = self.breakdown["time"]
         top = sorted(time.items(), key=lambda kv: -kv[1])[:3]
         shares = ", ".join(f"{name} {value / self.step_seconds:.0%}" for name, value in top if value > 0)
-        return (f"{self.describe()}: step {self.step_seconds:.3g} s ({shares}), bubble "
+        return (f"{self.describe()}: step {format_seconds(self.step_seconds)} ({shares}), bubble "
                 f"{self.pipeline.bubble_fraction:.1%}, {self.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {self.mfu:.1%}, "
                 f"{format_bytes(self.memory_per_gpu)} per GPU")
 
     def table(self) -> list[tuple[str, str]]:
         """(quantity, value) rows: the outputs, then every term of time and memory."""
-        rows = [("plan", self.describe()), ("step", f"{self.step_seconds:.4g} s"),
+        rows = [("plan", self.describe()), ("step", format_seconds(self.step_seconds)),
                 ("tokens/s", f"{self.tokens_per_second:,.0f}"), ("TFLOP/s per GPU", f"{self.tflops_per_gpu:.4g}"),
                 ("MFU", f"{self.mfu:.1%}"), ("memory per GPU", format_bytes(self.memory_per_gpu)),
                 ("fits", "yes" if self.fits else f"no: {self.reason}")]
-        rows += [(f"time: {k}", f"{v:.4g} s") for k, v in self.breakdown["time"].items()]
+        rows += [(f"time: {k}", format_seconds(v)) for k, v in self.breakdown["time"].items()]
         rows += [(f"memory: {k}", format_bytes(v)) for k, v in self.memory.items()]
         return rows
 
