@@ -8,7 +8,7 @@ compared with.
   recomputation, the interleaved schedule, mixed precision. The table gives neither the micro-batch size nor the
   chunks per rank: b = 1 (the paper's large-model runs), and the smallest v >= 2 that divides each stage's layers
   (v = 1 when none does, or without a pipeline).
-- Megatron-Turing NLG 530B, Smith et al., arXiv 2201.11990, section 2.3 (system performance): 105 layers, hidden
+- Megatron-Turing NLG 530B, Smith et al., arXiv 2201.11990, section 2.4 (System Performance Evaluation): 105 layers, hidden
   20,480, 128 heads, sequence 2,048, tp = 8, pp = 35, global batch 1,920, on 280, 350 and 420 DGX A100 nodes:
   126, 121 and 113 TFLOP/s per GPU (iterations of 60.1, 50.2 and 44.4 s; Megatron's FLOPs formula gives those
   figures from those times). DeepSpeed's pipeline (1F1B, no interleaving), micro-batch 1.
@@ -45,7 +45,7 @@ from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
-MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.3"
+MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.4"
 KORTHIKANTI = "Korthikanti et al. (arXiv 2205.05198), Tables 3 and 5"
 LLAMA3 = "Llama 3 (arXiv 2407.21783), Table 4"
 A100_PEAK_TFLOPS = 312.0  # dense bf16/fp16, what the papers' utilisation figures divide by
