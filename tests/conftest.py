@@ -18,8 +18,9 @@ Markers (registered in pyproject.toml), set by pytest_collection_modifyitems fro
              or string of the tests folder that they name calls nbdist.start(n) / nbdist.Cluster(...) or runs
              %dist_start (in a kernel); read from the source, see _CLUSTER
   browser    drives Chromium: tests/test_browser.py, and any test whose code opens a browser (_BROWSER)
-  notebook   executes notebooks: tests/test_notebooks.py, and any test whose code runs one (nbclient, or cell by
-             cell in JupyterLab: _NOTEBOOK); the clusters a notebook starts are the notebook's, not `cluster`'s
+  notebook   executes notebooks: tests/test_notebooks.py, and any test whose code runs one (nbclient, nbgrader's
+             autograde, nbconvert --execute in a subprocess, or cell by cell in JupyterLab: _NOTEBOOK); the
+             clusters a notebook starts are the notebook's, not `cluster`'s
   gpu        needs a GPU: marked `gpu` explicitly (tests/test_gpu*.py mark their CUDA cases; their CPU cases run
              everywhere, so the file name alone does not say gpu)
   multihost  the path of a kernel on another host: tests/test_lifeline_hosts.py (processes told that their kernel
@@ -58,7 +59,8 @@ SHARED_FIXTURES = {"cluster": 2, "cluster4": 4}
 _CLUSTER = re.compile(r"\bnbdist\.start\(\s*(?:\d|[nN]\b|\))|\bnbdist\.Cluster\(|\bCluster\(ClusterOptions\("
                       r"|%dist_start\b")
 _BROWSER = re.compile(r"\bBrowser\(|\brequire_browser\(|\bsync_playwright\(")
-_NOTEBOOK = re.compile(r"\bNotebookClient\(|\bExecutePreprocessor\(|\bLabNotebook\(")
+_NOTEBOOK = re.compile(r"\bNotebookClient\(|\bExecutePreprocessor\(|\bLabNotebook\("
+                       r"|\.autograde\(|['\"]--execute['\"]")  # nbgrader's autograde; nbconvert --execute, run apart
 
 
 # -- shared clusters ---------------------------------------------------------------------------------------------------
