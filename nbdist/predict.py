@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from nbdist.errors import DistUsageError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Verdict:
     """A prediction next to its measurement: `close` when within `tolerance` (a number) or equal (a choice)."""
 
@@ -24,6 +24,9 @@ class Verdict:
     line: str
 
     def __str__(self) -> str:
+        return self.line
+
+    def __repr__(self) -> str:  # a cell's plain-text output (an export, a terminal) shows the one line too
         return self.line
 
     def _repr_markdown_(self) -> str:

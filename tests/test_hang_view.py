@@ -133,6 +133,20 @@ def test_a_rank_stuck_in_pure_python_shows_its_stack(cluster):
     assert "rank 1, innermost last" in str(cluster.last_why)  # shown with the table
 
 
+def test_after_a_freed_hang_a_call_numbered_again_from_1_is_not_taken_for_the_old_one(cluster4):
+    """A freed hang renews the groups, which number their calls from #1 again; a rank whose last call was the old
+    all_reduce #1 has not "completed" the new barrier #1 (lab 38 said so of a rank that was looping)."""
+    with pytest.raises(DistError):
+        cluster4.execute(SKIPPED_COLLECTIVE, timeout=TIMEOUT, output="none")
+    with pytest.raises(DistError) as raised:
+        cluster4.execute(SPINNING_CELL, timeout=TIMEOUT, output="none")
+    message = str(raised.value)
+    assert re.search(r"ranks 0, 2, 3 wait in barrier #1 on the group of ranks \[0, 1, 2, 3\]; rank 1 never reached "
+                     r"it: it runs cell In\[\d+\]:[45] in spin_forever", message), message
+    assert "completed" not in message.split("; nbdist interrupted")[0], message
+    assert cluster4.run(_all_reduce_world) == [4.0] * 4
+
+
 def test_a_shape_mismatch_is_named_before_any_timeout(cluster):
     started = time.monotonic()
     with pytest.raises(DistError) as raised:

@@ -40,3 +40,8 @@ def test_a_choice_is_right_or_not_ignoring_case():
 def test_bad_input_is_one_line(args, message):
     with pytest.raises(DistUsageError, match=message):
         compare(*args)
+
+
+def test_a_verdict_reads_as_its_line_wherever_it_is_shown():
+    verdict = compare("speed-up", 1.5, 1.8)
+    assert repr(verdict) == str(verdict) == verdict._repr_markdown_() == verdict.line

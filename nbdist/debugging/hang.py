@@ -237,18 +237,18 @@ def explain(reports: dict[int, dict | None]) -> HangView:
 
 
 def _collective_waits(states: dict[int, RankState]) -> dict[tuple, list[int]]:
-    """(group's ranks, seq) -> the ranks that wait in that collective."""
+    """(group's ranks, seq, generation) -> the ranks that wait in that collective."""
     met: dict[tuple, list[int]] = {}
     for s in states.values():
         if s.state == WAITS and s.call is not None and s.call.get("seq") is not None and s.call.get("ranks"):
-            met.setdefault((tuple(s.call["ranks"]), s.call["seq"]), []).append(s.rank)
+            met.setdefault((tuple(s.call["ranks"]), s.call["seq"], s.call.get("generation", 0)), []).append(s.rank)
     return met
 
 
 def _sentence(states: dict[int, RankState]) -> str:
     met = _collective_waits(states)
     if met:
-        (ranks, seq), waiting = max(met.items(), key=lambda item: (len(item[1]), -min(item[1])))
+        (ranks, seq, _), waiting = max(met.items(), key=lambda item: (len(item[1]), -min(item[1])))
         call = states[waiting[0]].call
         said = f"{_ranks(waiting)} wait{'s' * (len(waiting) == 1)} in {describe_call(call)}"
         missing = [r for r in ranks if r not in waiting]
@@ -280,8 +280,14 @@ def _verb(clause: str, ranks: int) -> str:
 def _completed(state: RankState | None, call: dict) -> bool:
     """Whether a rank not waiting in a collective has completed it (or a later call on the same group)."""
     last = state.last if state is not None and state.state in (IDLE, RUNS) else None
-    return bool(last) and tuple(last.get("ranks") or ()) == tuple(call["ranks"]) and \
-        last.get("seq") is not None and last["seq"] >= call["seq"]
+    return bool(last) and _same_group(last, call) and last.get("seq") is not None and last["seq"] >= call["seq"]
+
+
+def _same_group(one: dict, other: dict) -> bool:
+    """Two recorded calls on the same group and the same communicator: a group renewed after a freed hang numbers
+    its calls from #1 again, and its call #1 before the renewal is not the call #1 after it."""
+    return tuple(one.get("ranks") or ()) == tuple(other.get("ranks") or ()) and \
+        one.get("generation", 0) == other.get("generation", 0)
 
 
 def _their(ranks: list[int]) -> str:
@@ -292,8 +298,8 @@ def _missing(state: RankState | None, rank: int, call: dict) -> str:
     """Why a member of a collective's group is not in it."""
     if state is None:
         return f"rank {rank} was not asked"
-    if state.state == WAITS and state.call is not None and tuple(state.call.get("ranks") or ()) == tuple(
-            call["ranks"]) and state.call.get("seq") is not None:
+    if state.state == WAITS and state.call is not None and _same_group(state.call, call) and \
+            state.call.get("seq") is not None:
         ahead = state.call["seq"] - call["seq"]
         return f"rank {rank} waits in {describe_call(state.call)} ({abs(ahead)} call{'s' * (abs(ahead) != 1)} " \
                f"{'ahead' if ahead > 0 else 'behind'} on that group)"
@@ -331,7 +337,7 @@ def _p2p(states: dict[int, RankState], s: RankState) -> str:
 def _mismatches(states: dict[int, RankState]) -> list[str]:
     """Ranks that met in the same collective (group and number) with a different call, size or dtype."""
     out = []
-    for (ranks, seq), waiting in _collective_waits(states).items():
+    for (ranks, seq, _), waiting in _collective_waits(states).items():
         brought = {r: (states[r].call["call"], states[r].call.get("numel"), states[r].call.get("dtype"))
                    for r in waiting}
         if len(set(brought.values())) > 1:

@@ -101,6 +101,8 @@ def renew() -> dict:
             group._sums = SumAgreement(group._n)
             group.generation += 1  # works still pending on the old communicator no longer mark the group
             group.calls = 0  # numbered afresh on every rank: a rank that gave up earlier than others made fewer
+            group.recorded_as = (*group.recorded_as[:2], group.generation)  # its call #1 from before
+            # the renewal is not this one (the notebook's hang view compares generations, debugging/hang.py)
             renewed.append(group.global_ranks)
     return {"renewed": renewed, "broken": broken}
 
@@ -150,7 +152,7 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         self._n = comm.size
         self.calls = 0  # collectives started on this group: the roll call's sequence numbers
         self._where = f" on the group of ranks {global_ranks}"
-        self.recorded_as = (name, tuple(global_ranks))  # how the flight recorder names it (debugging/ranks/recorder)
+        self.recorded_as = (name, tuple(global_ranks), 0)  # how the flight recorder names it: name, ranks, generation
         self._agreement_buffers = Agreement.new_buffers(comm.size)  # for calls done before the next begins
         self._sums = SumAgreement(comm.size)  # the hot path's own: its last agreement stays packed for the next
         roll_call.known(self)

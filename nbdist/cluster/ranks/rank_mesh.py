@@ -81,7 +81,7 @@ def build(mesh: Mesh) -> str | None:
     for dim in mesh.names:  # the flight recorder names the groups of the MPI backend by their dimension
         group = device_mesh.get_group(dim)
         if hasattr(group, "recorded_as") and group is not torch.distributed.group.WORLD:  # (a 1-D mesh's is it)
-            group.recorded_as = (dim, group.recorded_as[1])
+            group.recorded_as = (dim, *group.recorded_as[1:])
     registry.put(KIND, mesh.name, RankMesh(mesh, info.rank, device_mesh, comms, everyone))
     return mesh.name
 

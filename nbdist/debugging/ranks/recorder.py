@@ -27,7 +27,7 @@ TAIL = 12  # calls a report carries
 STACK_LIMIT = 40  # frames of the main thread a report carries (innermost)
 
 clock = time.perf_counter  # one clock for every process of a host, as the pipeline's spans use
-entries: list = [None] * SIZE  # (group, seq, call, peer, numel, dtype, start); group: (name, ranks) or None
+entries: list = [None] * SIZE  # (group, seq, call, peer, numel, dtype, start); group: (name, ranks[, generation])
 ends: list = [None] * SIZE  # None while in flight, DONE once completed, FAILED once given up or raised
 DONE = True
 FAILED = False
@@ -81,6 +81,7 @@ def _as_data(entry: tuple, ended) -> dict:
     itemsize = getattr(dtype, "itemsize", None)
     return {
         "group": None if group is None else group[0], "ranks": None if group is None else list(group[1]),
+        "generation": group[2] if group is not None and len(group) > 2 else 0,  # renewals of its communicator
         "seq": seq, "call": call, "peer": peer, "numel": numel,
         "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
         "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start,
