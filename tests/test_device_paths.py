@@ -287,7 +287,7 @@ def test_an_allocation_that_fails_in_a_step_is_named_and_the_engine_stays_usable
         assert "\n" not in line, line
         device = engine.cluster.devices[0]
         assert (f"rank 0 raised DistUsageError: rank 0 ({device}) ran out of memory during the forward of "
-                f"micro-batch 0: an allocation of 1048576 GiB failed; ") in line, line
+                f"micro-batch 0: an allocation of 1,048,576 GiB failed; ") in line, line
         loss = model.step(torch.randn(4, 8), torch.randn(4, 1), torch.nn.functional.mse_loss)  # the engine goes on
         assert loss > 0
     finally:
@@ -315,7 +315,7 @@ def test_an_allocation_that_fails_in_a_trainers_step_is_named_and_the_engine_sta
         fit(batch_size=3)
     phase = "the forward of micro-batch 0" if sync == "allreduce" else "step 0"
     line = str(failed.value)
-    assert f"({engine.cluster.devices[0]}) ran out of memory during {phase}: an allocation of 1048576 GiB" in line
+    assert f"({engine.cluster.devices[0]}) ran out of memory during {phase}: an allocation of 1,048,576 GiB" in line
     assert "\n" not in line
     assert len(fit(batch_size=4)) == 2
 
