@@ -743,3 +743,18 @@ def test_kernel_interrupts_leave_the_cluster_usable_and_fit_goes_on(kernel):
         assert "samples/s" in dashboard.stdout and "rank 1: compute" in dashboard.stdout
     finally:
         kernel.execute("c.stop()")
+
+
+def test_a_fit_shorter_than_one_sample_still_shows_every_ranks_utilisation(cluster):
+    """The ranks publish every 0.5 s and once more at the end; a fit of two steps ends before the first periodic
+    sample, and the dashboard used to show empty utilisation axes: the wait hands it the last publication."""
+    tr = trainer(cluster, live="always")
+    try:
+        run = tr.fit(steps=2, wait=False)
+        run.wait(120)
+        assert sorted(run.view.telemetry) == [0, 1], run.view.telemetry
+        assert all(any(k.endswith("_percent") for k in sample) for sample in run.view.telemetry.values())
+        figure = run.view.figure_json()
+        assert not any(a.get("name") == "no-telemetry" for a in figure["layout"].get("annotations", []))
+    finally:
+        tr.close()

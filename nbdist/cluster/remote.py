@@ -200,6 +200,8 @@ class Waiter:
             # every rank's result came back (as EngineError) before the launcher noticed the job had ended
             reason, action = self._death() or DIED, self._after_death()
         self._finish_output()
+        if self.progress is not None and action is None:  # the ranks' last publication, now that every output
+            self.progress(self.ar)  # is in: a run shorter than progress_every is otherwise never seen live
         if self._failed_ranks():
             action = self._back_in_step(action)
         self._raise_failures(reason, action)
