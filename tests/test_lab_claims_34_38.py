@@ -1,12 +1,11 @@
 """What labs 34-38 say in prose, checked against the code that decides it (no cluster, no notebook run).
 
 A lab prints what a run measures; these are the claims a run does not print: a model's size written in the text,
-a default the text names, a cost the text quotes, and the shape of the labs' exercises (predict-then-run cells and
-nbgrader cells) that the student version relies on.
+a default the text names, a cost the text quotes. The labs' predict-then-run cells and nbgrader exercises:
+tests/test_lab_conventions.py.
 """
 from __future__ import annotations
 
-import ast
 import inspect
 import json
 import re
@@ -20,7 +19,6 @@ from nbdist.cost import collectives
 from nbdist.training import trainer as trainer_module
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-LABS = ("34_training_dashboard", "35_sync_vs_async", "36_fault_tolerance", "37_scaling", "38_debugging")
 
 
 def cells(lab: str) -> list[dict]:
@@ -33,10 +31,6 @@ def text(cell: dict) -> str:
 
 def markdown(lab: str) -> str:
     return "\n".join(text(c) for c in cells(lab) if c["cell_type"] == "markdown")
-
-
-def grading(cell: dict) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {})
 
 
 # -- claims in the prose --------------------------------------------------------------------------------------------
@@ -100,56 +94,3 @@ def test_38_flight_recorder_costs_a_few_hundred_nanoseconds_per_call_and_keeps_5
 def test_38_the_exercise_formula_is_the_simulators_bubble():
     for p, m in ((2, 4), (4, 8), (8, 8)):
         assert schedules.simulate(schedules.build("1f1b", p, m)).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
-
-
-# -- the labs' shape: predictions and graded exercises ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_every_prediction_is_unset_and_compared_after_it_is_measured(lab):
-    code = [text(c) for c in cells(lab) if c["cell_type"] == "code"]
-    predictions = [re.match(r"(\w+) = \.\.\.  # your prediction: ", s) for s in code]
-    names = [m.group(1) for m in predictions if m]
-    assert names, f"{lab} asks for no prediction"
-    assert len(set(names)) == len(names)
-    for name in names:
-        asked = next(i for i, s in enumerate(code) if s.startswith(f"{name} = ..."))
-        compared = [i for i, s in enumerate(code) if "compare(" in s and name in s]
-        assert compared and compared[0] > asked + 1, f"{name}: measured and compared after the prediction cell"
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_every_lab_has_a_graded_exercise_in_nbgraders_form(lab):
-    every = cells(lab)
-    solutions = [c for c in every if grading(c).get("solution")]
-    graded = [c for c in every if grading(c).get("grade")]
-    assert solutions and graded
-    number = lab[:2]
-    for cell in solutions:
-        assert grading(cell)["grade_id"].startswith(f"{number}-") and not grading(cell)["locked"]
-        assert "### BEGIN SOLUTION" in text(cell) and "### END SOLUTION" in text(cell)
-    for cell in graded:
-        meta = grading(cell)
-        assert meta["grade_id"].startswith(f"{number}-") and meta["locked"] and 1 <= meta["points"] <= 3
-        assert "assert" in text(cell)
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_nothing_outside_an_exercise_uses_what_a_solution_defines(lab):
-    every = cells(lab)
-    defined = set()
-    for cell in every:
-        if grading(cell).get("solution"):
-            tree = ast.parse(text(cell))
-            defined |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-            defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-                        if isinstance(t, ast.Name)}
-    for cell in every:
-        if cell["cell_type"] != "code" or grading(cell):
-            continue
-        used = {n.id for n in ast.walk(ast.parse(_without_magics(text(cell)))) if isinstance(n, ast.Name)}
-        assert not used & defined, f"{lab}: a cell outside the exercises uses {sorted(used & defined)}"
-
-
-def _without_magics(source: str) -> str:
-    return "\n".join("" if line.lstrip().startswith("%") else line for line in source.splitlines())

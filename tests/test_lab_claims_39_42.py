@@ -1,12 +1,11 @@
 """The claims labs 39 (training choices) and 42 (backends and frameworks) rest on, checked against references that
-do not come from the lab: torch's own autograd and GradScaler, nccl-tests' bus-bandwidth rule, the device rules, and
-the lab conventions (predict-then-run, nbgrader exercises a student version can run around).
+do not come from the lab: torch's own autograd and GradScaler, nccl-tests' bus-bandwidth rule, the device rules (the lab
+conventions, predict-then-run and nbgrader exercises: tests/test_lab_conventions.py).
 
 The two exercise solutions are read from the notebooks and run here, so a lab's answer key cannot drift from what
 its test cell and its prose say."""
 from __future__ import annotations
 
-import ast
 import json
 import math
 from pathlib import Path
@@ -123,50 +122,3 @@ def test_nbdist_starts_nccl_where_it_finds_gpus_and_mpi_where_it_finds_none():
     assert devices.bind("auto", False, 1, 2, 8, "node1") == devices.Binding("cuda:1", "cpu:gloo,cuda:nccl")
     assert devices.bind("auto", False, 0, 2, 0, "node1") == devices.Binding("cpu", "mpi4py")
     assert devices.bind("gloo", False, 0, 2, 8, "node1") == devices.Binding("cpu", "gloo")
-
-
-# -- the lab conventions -------------------------------------------------------------------------------------------
-
-
-def _grading(cell: dict) -> dict:
-    return cell["metadata"].get("nbgrader", {})
-
-
-@pytest.mark.parametrize("name", LABS)
-def test_every_prediction_is_compared_with_a_measurement(name):
-    cells = _cells(name)
-    predictions = [(i, line.split("=")[0].strip()) for i, c in enumerate(cells) if c["cell_type"] == "code"
-                   for line in _source(c).splitlines() if "= ...  # your prediction:" in line]
-    assert predictions
-    for i, variable in predictions:
-        later = "".join(_source(c) for c in cells[i + 1:] if c["cell_type"] == "code")
-        assert "compare(" in later and f", {variable}," in later, variable
-
-
-@pytest.mark.parametrize("name", LABS)
-def test_the_exercises_are_graded_and_nothing_else_needs_their_answers(name):
-    cells = _cells(name)
-    solutions = [c for c in cells if _grading(c).get("solution")]
-    tests = [c for c in cells if _grading(c).get("grade")]
-    assert solutions and tests and all(_grading(c)["points"] >= 1 and _grading(c)["locked"] for c in tests)
-    for c in solutions:
-        assert "### BEGIN SOLUTION" in _source(c) and "### END SOLUTION" in _source(c)
-    answers = set()  # what a solution cell defines at its top level: stubbed out in the student version
-    for c in solutions:
-        for node in ast.parse(_source(c)).body:
-            if isinstance(node, ast.FunctionDef):
-                answers.add(node.name)
-            elif isinstance(node, ast.Assign):
-                answers |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    for c in cells:
-        if c["cell_type"] == "code" and not _grading(c) and not _source(c).startswith("%"):
-            used = {n.id for n in ast.walk(ast.parse(_source(c))) if isinstance(n, ast.Name)}
-            assert not used & answers, (used & answers, _source(c)[:80])
-    assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")
-
-
-def test_grade_ids_are_unique_across_every_notebook():
-    ids = [_grading(c)["grade_id"] for path in NOTEBOOKS.glob("*.ipynb")
-           for c in json.loads(path.read_text())["cells"] if _grading(c)]
-    assert len(ids) == len(set(ids))
-    assert {"39-accumulate", "39-accumulate-test", "42-busbw", "42-busbw-test"} <= set(ids)

@@ -2,15 +2,12 @@
 
 A lab prints what its run measures; these are the claims a run does not print: the rule DDP fills its buckets by,
 the PowerSGD settings nbdist picks against torch's defaults, which tensors PowerSGD compresses, the ZeRO formulas
-and the paper's example, the mesh's rank order, what one tensor-parallel rank holds, and the shape of each lab's
-predict-then-run cells and nbgrader exercises that the student version relies on.
+and the paper's example, the mesh's rank order, what one tensor-parallel rank holds. The labs' predict-then-run
+cells and nbgrader exercises: tests/test_lab_conventions.py.
 """
 from __future__ import annotations
 
 import inspect
-import json
-import re
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -22,21 +19,6 @@ from nbdist.data_parallel.ranks.hooks import _powersgd_state
 from nbdist.layout import Layout
 from nbdist.sharding.memory import predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input
-
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-LABS = ("30_data_parallel", "31_tensor_and_model_parallel", "32_zero_memory", "33_3d_parallelism")
-
-
-def cells(lab: str) -> list[dict]:
-    return json.loads((NOTEBOOKS / f"{lab}.ipynb").read_text(encoding="utf-8"))["cells"]
-
-
-def text(cell: dict) -> str:
-    return "".join(cell["source"])
-
-
-def grading(cell: dict) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {})
 
 
 def big_gpt():
@@ -126,33 +108,3 @@ def test_the_mesh_numbers_ranks_pp_outermost_tp_innermost():
         c = mesh.coords(rank)
         assert (c["pp"] * 2 + c["dp"]) * 2 + c["tp"] == rank
     assert mesh.groups("tp")[0] == [0, 1]
-
-
-# -- every lab: predictions and exercises as the student version needs them -----------------------------------------
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_each_lab_asks_for_a_prediction_and_compares_it(lab):
-    sources = [text(c) for c in cells(lab) if c["cell_type"] == "code"]
-    asked = [s.split("=")[0].strip() for s in sources if s.strip().startswith("predicted_") and "= ..." in s]
-    assert asked, f"{lab} has no 'predicted_... = ...' cell"
-    for name in asked:
-        assert any("compare(" in s and name in s for s in sources), f"{lab}: {name} is never compared"
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_each_lab_has_a_graded_exercise_that_nothing_else_depends_on(lab):
-    all_cells = cells(lab)
-    solutions = [c for c in all_cells if grading(c).get("solution")]
-    tests = [c for c in all_cells if grading(c).get("grade") and not grading(c).get("solution")]
-    assert solutions and tests
-    ids = [grading(c)["grade_id"] for c in solutions + tests]
-    assert len(ids) == len(set(ids)) and all(i.startswith(lab[:2] + "-") for i in ids)
-    for c in solutions:
-        body = text(c)
-        assert "### BEGIN SOLUTION" in body and "### END SOLUTION" in body
-        name = body.split("def ", 1)[1].split("(", 1)[0]
-        users = [x for x in all_cells if x["cell_type"] == "code" and x is not c
-                 and re.search(rf"(?<![\w.]){name}\b", text(x))]
-        assert all(grading(x).get("grade") for x in users), f"{lab}: a cell outside the exercise uses {name}"
-    assert all(c["metadata"]["nbgrader"]["locked"] and c["metadata"]["nbgrader"]["points"] >= 1 for c in tests)
