@@ -78,7 +78,7 @@ def _show(value, unit: str) -> str:
     if isinstance(value, int):
         text = f"{value:,}"
     elif isinstance(value, float):
-        text = f"{value:,.3g}" if abs(value) < 1e6 or abs(value) < 1e-3 else f"{value:,.0f}"
+        text = f"{value:,.3g}" if abs(value) < 1e6 else f"{value:,.0f}"
         if "e" in text and abs(value) >= 1e-3:
             text = f"{value:,.1f}"
     else:

@@ -42,12 +42,24 @@ def binary_ticks(top: float, most: int = 6) -> tuple[list[float], list[str]]:
         return [0.0], ["0 B"]
     unit = next(scale for _, scale in BINARY_UNITS if top >= scale)
     span = top / unit
-    raw = span / most
-    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    step = max(step, 1 / 1024 if unit > 1 else 1)
+    step = max(_round_step(span / most), 1 / 1024 if unit > 1 else 1)
     values = [i * step * unit for i in range(int(span / step + 1e-9) + 1)]
     return values, ["0 B" if v == 0 else format_bytes(v) for v in values]
+
+
+def second_ticks(total: float, most: int = 6) -> tuple[list[float], list[str]]:
+    """Ticks from 0 to `total` seconds at a round step, each labelled with its unit ('2 s', '500 ms', '1.5 h')."""
+    if total <= 0:
+        return [0.0], ["0 s"]
+    step = _round_step(total / most)
+    values = [i * step for i in range(int(total / step + 1e-9) + 1)]
+    return values, ["0 s" if v == 0 else format_seconds(v) for v in values]
+
+
+def _round_step(raw: float) -> float:
+    """The smallest round step (1, 2 or 5 x 10^k) of at least `raw`: ticks a person reads at a glance."""
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
 
 
 def binary_log_ticks(low: float, high: float) -> tuple[list[float], list[str]]:

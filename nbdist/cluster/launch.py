@@ -102,22 +102,7 @@ def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
 def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str) -> ipp.Cluster:
     """The controller listens on loopback for engines on this host, and on the kernel's address toward the other
     hosts when engines run there (its messages stay signed with the cluster's key, as ipyparallel signs them)."""
-    cluster = _new_ipp_cluster(options, profile_dir, kernel_address)
-    cluster.log.addFilter(_already_removed)
-    return cluster
-
-
-def _already_removed(record: logging.LogRecord) -> bool:
-    """Drop ipyparallel's "Failed to remove <output file>: [Errno 2] No such file" at stop: when a launcher's process
-    ends, ipyparallel's loop thread and nbdist's stop (_forget) both read and remove its output file, each checking
-    first that it exists; the one that loses the race logs an ERROR for a file that is gone, as both wanted.
-    Every other failure to remove (a file held open, no permission) still shows."""
-    message = record.getMessage()
-    return not (message.startswith("Failed to remove ") and "[Errno 2]" in message)
-
-
-def _new_ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str) -> ipp.Cluster:
-    return ipp.Cluster(
+    cluster = ipp.Cluster(
         profile_dir=profile_dir,
         cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
         engines="mpi",
@@ -134,6 +119,17 @@ def _new_ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: 
             f"--IPController.ip={kernel_address}",
         ],
     )
+    cluster.log.addFilter(_already_removed)  # its launchers log through it
+    return cluster
+
+
+def _already_removed(record: logging.LogRecord) -> bool:
+    """Drop ipyparallel's "Failed to remove <output file>: [Errno 2] No such file" at stop: when a launcher's process
+    ends, ipyparallel's loop thread and nbdist's stop (_forget) both read and remove its output file, each checking
+    first that it exists; the one that loses the race logs an ERROR for a file that is gone, as both wanted.
+    Every other failure to remove (a file held open, no permission) still shows."""
+    message = record.getMessage()
+    return not (message.startswith("Failed to remove ") and "[Errno 2]" in message)
 
 
 def _tail(launcher, lines: int = 15) -> str:

@@ -234,7 +234,7 @@ class PlannerView(Controls, WithStaticCopy):
         try:
             action()
         except (DistUsageError, DistError) as e:
-            self._note = STOPPED if not self.plan.cluster.running else f"{type(e).__name__}: {e}"
+            self._note = _engines_problem(self.plan, e)
         except Exception as e:  # noqa: BLE001 - a callback's error would otherwise reach only the kernel's log
             self._note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         finally:
@@ -333,7 +333,13 @@ def _step_or_problem(plan) -> tuple[StepTime | None, str | None]:
     try:
         return _predicted_step(plan), None
     except (DistUsageError, DistError) as e:
-        return None, STOPPED if not plan.cluster.running else f"{type(e).__name__}: {e}"
+        return None, _engines_problem(plan, e)
+
+
+def _engines_problem(plan, error: Exception) -> str:
+    """The one line the view shows when the engines could not answer: a stopped cluster said as such, else the
+    error itself."""
+    return STOPPED if not plan.cluster.running else f"{type(error).__name__}: {error}"
 
 
 def _counts_text(plan) -> str:

@@ -106,13 +106,13 @@ class Dashboard(WithStaticCopy):
         axes = {name: {**layout.get(name, {}), **patch} for name, patch in utilisation_axes(self.telemetry).items()}
         return {"data": data, "layout": {
             **layout, **axes, "annotations": notes + utilisation_note(self.telemetry),
-            "title": {**layout.get("title", {}), "text": self._title(), "subtitle": {"text": self._what()}}}}
+            "title": {**layout.get("title", {}), "text": self._title(), "subtitle": {"text": self.trainer.describe()}}}}
 
     def figure(self):
         """The figure as a plotly Figure (what a test or a person may inspect)."""
         from nbdist.viz.training import training_figure
 
-        return training_figure(self.live.records, self.telemetry, title=self._title(), subtitle=self._what())
+        return training_figure(self.live.records, self.telemetry, title=self._title(), subtitle=self.trainer.describe())
 
     def _title(self) -> str:
         """The trainer and the newest step the figure draws: the same step the progress line names (the trainer's
@@ -121,9 +121,6 @@ class Dashboard(WithStaticCopy):
         rows = [r for r in self.live.records if r["loss"] is not None]
         return f"Trainer {self.trainer.id}: step {rows[-1]['step']}" if rows else f"Trainer {self.trainer.id}"
 
-    def _what(self) -> str:
-        """What the trainer trains, from its own description: the plan, or the sync mode and replicas."""
-        return f"{self.trainer!r}"[1:-1].split(": ", 1)[-1].rsplit("; step ", 1)[0]
 
     def close(self, history, summary: bool = True) -> None:
         """The run's end: draw the whole history, update the static copy, print the text summary (not from a

@@ -320,10 +320,14 @@ class Trainer:
             except DistUsageError:  # the engines are gone (a dead rank): nothing is left to free
                 pass
 
+    def describe(self) -> str:
+        """What it trains: the plan, or the sync mode and its replicas (a dashboard's subtitle, its repr)."""
+        if self.plan is not None:
+            return self.plan.describe()
+        return f"{self.optimization.sync} over {self.replicas} replicas"
+
     def __repr__(self) -> str:
-        sync = self.optimization.sync
-        what = self.plan.describe() if self.plan is not None else f"{sync} over {self.replicas} replicas"
-        return f"<nbdist Trainer {self.id}: {what}; step {self.step}>"
+        return f"<nbdist Trainer {self.id}: {self.describe()}; step {self.step}>"
 
 
 def _one_place(concern: str, given, from_keywords):

@@ -9,12 +9,12 @@ unit is in every tick label).
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from nbdist.units import binary_log_ticks, binary_ticks, format_bytes, format_seconds
+from nbdist.units import format_bytes, format_seconds
+from nbdist.viz.axes import byte_axis, byte_log_axis, seconds_axis
 
 MEMORY_COLOURS = {"weights": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "gathered layers": "#72B7B2",
                   "activations": "#B279A2",
@@ -41,11 +41,10 @@ def memory_bar_figure(memory: Mapping[str, float], capacity: float, title: str |
     fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
                   annotation_text=f"memory {format_bytes(capacity)}", annotation_position="top")
     top = max(total, capacity) * 1.05
-    values, labels = binary_ticks(top)
     fig.update_layout(
         title=title or f"memory per GPU: {format_bytes(total)} of {format_bytes(capacity)}", barmode="stack",
         height=250, margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend=LEGEND_BELOW,
-        xaxis={"range": [0, top], "tickmode": "array", "tickvals": values, "ticktext": labels})
+        xaxis={"range": [0, top], **byte_axis(top)})
     return fig
 
 
@@ -64,22 +63,10 @@ def time_breakdown_figure(time: Mapping[str, float], title: str | None = None) -
                      hovertext=[f"{name}: {format_seconds(value)} ({value / total:.1%})"], hoverinfo="text")
               for name, value in terms]
     fig = go.Figure(traces)
-    values, labels = _second_ticks(total)
     fig.update_layout(title=title or f"step time: {format_seconds(total)}", barmode="stack", height=250,
                       margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend=LEGEND_BELOW,
-                      xaxis={"range": [0, total * 1.02], "tickmode": "array", "tickvals": values, "ticktext": labels})
+                      xaxis={"range": [0, total * 1.02], **seconds_axis(total)})
     return fig
-
-
-def _second_ticks(total: float, most: int = 6) -> tuple[list[float], list[str]]:
-    """Ticks from 0 to `total` seconds at a round step, each labelled with its unit ('2 s', '500 ms', '1.5 h')."""
-    if total <= 0:
-        return [0.0], ["0 s"]
-    raw = total / most
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    values = [i * step for i in range(int(total / step + 1e-9) + 1)]
-    return values, ["0 s" if v == 0 else format_seconds(v) for v in values]
 
 
 def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | None = None,
@@ -104,10 +91,8 @@ def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | 
     fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
                   annotation_text=f"memory {format_bytes(capacity)}")
     memory = [p["memory"] for p in points] + [capacity]
-    values, labels = binary_log_ticks(min(memory), max(memory))
     fig.update_layout(title=title or "plans: memory per GPU against throughput", height=420,
-                      xaxis={"title": "memory per GPU (log)", "type": "log", "tickmode": "array", "tickvals": values,
-                             "ticktext": labels},
+                      xaxis={"title": "memory per GPU (log)", "type": "log", **byte_log_axis(min(memory), max(memory))},
                       yaxis={"title": "tokens per second", "rangemode": "tozero"},
                       margin={"l": 70, "r": 20, "t": 60, "b": 50})
     return fig

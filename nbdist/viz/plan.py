@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from nbdist.units import binary_ticks, format_bytes
+from nbdist.units import format_bytes
+from nbdist.viz.axes import byte_axis
 from nbdist.viz.mesh import mesh_figure
 
 # part of a rank's memory -> (legend label, colour); the keys are RankMemory's fields
@@ -54,16 +55,10 @@ def memory_figure(rows: Sequence[Mapping], title: str | None = None) -> go.Figur
     fig.update_layout(
         title=title, barmode="stack", height=360, margin={"l": 70, "r": 20, "t": 60, "b": 40},
         legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0},  # under the ranks, not over the bars
-        yaxis={"title": "peak memory (predicted)", "rangemode": "tozero", **_byte_ticks(max(totals, default=0))},
+        yaxis={"title": "peak memory (predicted)", "rangemode": "tozero", **byte_axis(max(totals, default=0))},
         xaxis={"type": "category"},
     )
     return fig
-
-
-def _byte_ticks(top: float) -> dict:
-    """A bytes axis in binary units with binary labels ('256 KiB', not plotly's decimal '262k')."""
-    values, labels = binary_ticks(top)
-    return {"tickmode": "array", "tickvals": values, "ticktext": labels}
 
 
 def _coords(row: Mapping) -> str:

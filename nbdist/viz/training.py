@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from nbdist.units import binary_ticks
+from nbdist.viz.axes import byte_axis
 
 SPLIT = {"compute_s": ("compute", "#4C78A8"), "comm_s": ("communication", "#F58518"), "idle_s": ("idle", "#BAB0AC")}
 RECENT_STEPS = 20  # the split bars show the newest steps (what the run does now, not its warm-up)
@@ -54,8 +54,7 @@ def memory_axis(telemetry: Mapping[int, Mapping] | None) -> dict:
     these into its figure's layout with the traces' values."""
     telemetry = telemetry or {}
     key = "gpu_memory_bytes" if _on_gpu(telemetry) else "rss_bytes"
-    values, labels = binary_ticks(max((t.get(key) or 0 for t in telemetry.values()), default=0))
-    return {"tickmode": "array", "tickvals": values, "ticktext": labels}
+    return byte_axis(max((t.get(key) or 0 for t in telemetry.values()), default=0))
 
 
 def utilisation_note(telemetry: Mapping[int, Mapping] | None) -> list[dict]:
