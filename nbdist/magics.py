@@ -74,6 +74,7 @@ class DistMagics(Magics):
     @argument("--account", default=None, help="Slurm: account")
     @argument("--salloc-args", default="", help="Slurm: more salloc arguments, as one string")
     @argument("--mpi-args", default="", help='extra mpiexec arguments, e.g. "-launcher-exec ./my-ssh"')
+    @argument("--no-fork", action="store_true", help="start every rank as a fresh process, not forked from this kernel")
     @argument("--restart", action="store_true", help="replace a running cluster")
     @line_magic
     @_usage_errors
@@ -91,6 +92,7 @@ class DistMagics(Magics):
             hostfile=args.hostfile,
             iface=args.iface,
             slurm=_slurm_choice(args),
+            fork=not args.no_fork,
         )
         display(cluster.status())
 

@@ -5,7 +5,8 @@ import time
 
 import psutil
 
-MARKERS = ("ipyparallel.controller", "nbdist.cluster.ranks.main", "nbdist.cluster.lifeline", "hydra_pmi_proxy", "mpiexec")
+MARKERS = ("ipyparallel.controller", "nbdist.cluster.ranks.main", "nbdist.cluster.lifeline", "hydra_pmi_proxy", "mpiexec",
+           "nbdist.cluster.ranks.zygote", "warm_stub.py")
 
 
 def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:

@@ -216,7 +216,8 @@ class Cluster:
         engines = next(iter(self._require_running().cluster.engines.values()), None)
         server = launch.lifeline_of(self._launched.cluster)
         return DeathWatch(self._engine_pids(), getattr(engines, "output_file", None),
-                          lost=server.lost if server else None)
+                          lost=server.lost if server else None,
+                          launched={row["rank"]: row.get("launched_pid") or row["pid"] for row in self._info})
 
     def _after_death(self) -> str:
         """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the
@@ -393,8 +394,11 @@ def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Clu
     Options: cpu, backend ("mpi" | "gloo" | "nccl"; CPU engines default to "mpi"), timeout (start-up, seconds),
     hosts ("a,b" or ["a:2", "b:2"]: engines on those hosts through ssh) or hostfile, iface (the network interface
     between the hosts, where there are several), mpi_args (a list, or one string split as a shell would),
-    collective_timeout. A running cluster is kept (a note says so) unless `restart=True`. One cluster per kernel:
-    starts from several threads are taken one at a time. For a second cluster: `nbdist.Cluster(n=...).start()`.
+    collective_timeout, fork (default True: on one host the ranks are forked from this kernel, as accelerate's
+    notebook_launcher does, so they start without importing torch again; False: fresh processes, cluster/warm.py
+    says when forking is not possible). A running cluster is kept (a note says so) unless `restart=True`. One
+    cluster per kernel: starts from several threads are taken one at a time. For a second cluster:
+    `nbdist.Cluster(n=...).start()`.
     """
     global _current
     if not isinstance(restart, bool):

@@ -26,6 +26,7 @@ from nbdist.cluster import slurm
 
 _HYDRA = re.compile(r"BAD TERMINATION.*?PID (\d+) RUNNING AT (\S+).*?EXIT CODE: (\d+)", re.S)
 _SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+_STAND_IN = re.compile(r"nbdist stand-in: rank pid (\d+) ended (?:by signal (\d+)|with exit code (\d+))")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class DeathWatch:
     output_file: str | None = None  # mpiexec's output, where Hydra reports a bad termination
     first_seen: list[int] = field(default_factory=list)  # the ranks seen dead in the first check that saw any
     lost: Callable[[], set] | None = None  # (host, pid) of engines whose lifeline to the kernel broke (other hosts)
+    launched: dict[int, int] = field(default_factory=dict)  # rank -> the pid mpiexec started (a forked rank's
+    # stand-in, cluster/ranks/warm_stub.py: Hydra reports that pid)
 
     def check(self) -> str | None:
         here = socket.gethostname()
@@ -111,11 +114,19 @@ class DeathWatch:
             return ""
 
     def _hydra(self, text: str) -> tuple[int, str] | None:
+        """The rank whose end ended the job, and how: a forked rank's stand-in says so first (Hydra then kills
+        the other stand-ins and may report any of them); else Hydra's report of the process it started."""
+        ended = _STAND_IN.search(text)
+        if ended is not None:
+            rank = next((r for r, (_, p) in self.pids.items() if p == int(ended.group(1))), None)
+            cause = _signal_cause(int(ended.group(2))) if ended.group(2) else f" (exit code {ended.group(3)})"
+            if rank is not None:
+                return rank, cause
         found = _HYDRA.search(text)
         if found is None:
             return None
         pid, killed = int(found.group(1)), _SIGNAL.search(text, found.end())
-        rank = next((r for r, (_, p) in self.pids.items() if p == pid), None)
+        rank = next((r for r, (_, p) in self.pids.items() if pid in (p, self.launched.get(r))), None)
         cause = _signal_cause(int(killed.group(1))) if killed else f" (exit code {found.group(3)})"
         return None if rank is None else (rank, cause)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import ipyparallel as ipp
 import psutil
 
-from nbdist.cluster import deaths, lifeline_server, slurm
+from nbdist.cluster import deaths, lifeline_server, slurm, warm
 from nbdist.cluster import files as cluster_files
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.ranks.main import START_TIMEOUT_ENV
@@ -54,6 +54,7 @@ class Launched:
 
 _lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
 _allocations: dict[int, slurm.Allocation] = {}  # id(ipp.Cluster) -> the Slurm allocation it runs in (--slurm)
+_warm: dict[int, warm.WarmProcess] = {}  # id(ipp.Cluster) -> the warm process its ranks are forked from
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -196,22 +197,30 @@ def start(options: ClusterOptions) -> Launched:
     until every engine has registered."""
     deadline = time.monotonic() + options.timeout
     allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
+    warm_process = None
     try:
         kernel_address = options.kernel_address(allocation)
+        if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
+            warm_process = warm.start()  # first: it loads what ranks need while the controller starts
         cluster = _new_cluster(options, kernel_address)
     except BaseException:
+        if warm_process is not None:
+            warm_process.stop()
         if allocation is not None:
             allocation.release()
         raise
     if allocation is not None:
         _allocations[id(cluster)] = allocation
+    if warm_process is not None:
+        _warm[id(cluster)] = warm_process
     try:
         lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
         cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.controller", str(options.n)])
         cluster.start_engines_sync(
             options.n,
-            engine_cmd=[sys.executable, "-m", "nbdist.cluster.ranks.main"],
+            engine_cmd=(warm_process.engine_command() if warm_process is not None
+                        else [sys.executable, "-m", "nbdist.cluster.ranks.main"]),
             engine_args=[
                 "--IPEngine.enable_nanny=False",
                 "--log-level=40",
@@ -269,8 +278,10 @@ def _process_groups(cluster: ipp.Cluster) -> list[int]:
 
 
 def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
-    """Every process of the cluster: controller, mpiexec, Hydra proxies and the engines."""
-    members = []
+    """Every process of the cluster: controller, mpiexec, Hydra proxies, the engines (and the warm process that
+    forked them)."""
+    warm_process = _warm.get(id(cluster))
+    members = warm_process.processes() if warm_process is not None else []
     for pgid in _process_groups(cluster):
         try:
             leader = psutil.Process(pgid)
@@ -292,7 +303,9 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
     groups = _process_groups(cluster)
     members = processes(cluster)
     held = _hydra_files(members)
-    ranks = [p for p in members if _is_rank(p)]
+    warm_process = _warm.get(id(cluster))
+    forked = warm_process.ranks() if warm_process is not None else []
+    ranks = list({p.pid: p for p in [p for p in members if _is_rank(p)] + forked}.values())
     _kill(ranks)
     _wait_gone(ranks + [p for p in members if _name(p) == "mpiexec"], timeout=0.5)
     for pgid in groups:
@@ -304,6 +317,9 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
             os.remove(path)
         except OSError:
             pass
+    warm_process = _warm.pop(id(cluster), None)
+    if warm_process is not None:
+        warm_process.stop()
     _forget(cluster)
     _close_lifeline(cluster)
     allocation = _allocations.pop(id(cluster), None)

@@ -86,6 +86,7 @@ class ClusterOptions:
     hostfile: str | None = None  # MPI's host file: one "host[:slots]" per line
     iface: str | None = None  # the network interface the hosts reach each other by, where they have several
     slurm: object = None  # a Slurm allocation to run in: True, or salloc's choices (cluster/slurm.py SlurmRequest)
+    fork: bool = True  # ranks forked from the kernel where they can be (cluster/warm.py); False: fresh processes
 
     def __post_init__(self) -> None:
         """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
@@ -203,6 +204,8 @@ class ClusterOptions:
         if self.mpi_args and not self.mpi_args[0].startswith("-"):
             raise DistUsageError(f"--mpi-args must begin with an mpiexec option, got {self.mpi_args[0]!r}: mpiexec "
                                  "would take it for the program to run")
+        if not isinstance(self.fork, bool):
+            raise DistUsageError(f"fork must be True or False, got {self.fork!r}")
         for name, value in (("hostfile", self.hostfile), ("iface", self.iface)):
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value).strip()):
                 raise DistUsageError(f"{name} must be a non-empty string, got {value!r}")

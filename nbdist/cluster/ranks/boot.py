@@ -21,6 +21,7 @@ BACKEND_ENV = "NBDIST_BACKEND"  # "mpi" | "gloo" | "nccl" | "auto": what was ask
 DEVICE_ENV = "NBDIST_DEVICE"  # "cpu" forces CPU engines even where GPUs exist; "auto" binds GPUs by local rank
 PG_TIMEOUT_ENV = "NBDIST_PG_TIMEOUT"  # seconds a collective may wait before torch.distributed gives up
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder for gloo and NCCL: calls kept (0: off)
+STAND_IN_ENV = "NBDIST_STAND_IN_PID"  # in a rank forked from the kernel: the pid of the process mpiexec started
 FLIGHT_RECORDER_CALLS = 512  # kept by default, as nbdist's own recorder keeps (the hang view reads both)
 
 
@@ -36,6 +37,7 @@ class RankInfo:
     device: str
     backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU), "cpu:gloo,cuda:nccl" (GPU engines)
     boot_seconds: float
+    launched_pid: int = 0  # the process mpiexec started: this one, or the stand-in of a rank forked from the kernel
 
 
 def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
@@ -209,6 +211,7 @@ def boot() -> RankInfo:
         device=binding.device,
         backend=backend,
         boot_seconds=time.perf_counter() - started,
+        launched_pid=int(os.environ.get(STAND_IN_ENV, os.getpid())),  # cluster/ranks/zygote.py sets it
     ))
 
 

@@ -16,6 +16,7 @@ NCCL) are recorded by torch's flight recorder, which the inspector reads beside 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -95,8 +96,20 @@ def main_stack(limit: int = STACK_LIMIT) -> list[list]:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return []
-    frames = traceback.extract_stack(frame, limit=limit)
+    frames = _from_rank_entry(traceback.extract_stack(frame))[-limit:]
     return [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in frames]
+
+
+RANK_ENTRY = os.path.join("nbdist", "cluster", "ranks", "main.py")
+
+
+def _from_rank_entry(frames: traceback.StackSummary) -> list:
+    """The frames from the rank's entry (ranks/main.py's main) inward: a rank forked from the kernel
+    (cluster/warm.py) still has the kernel's frames above it, which it is not running."""
+    for index, frame in enumerate(frames):
+        if frame.name == "main" and frame.filename.endswith(RANK_ENTRY):
+            return list(frames[index:])
+    return list(frames)
 
 
 def report() -> dict:
