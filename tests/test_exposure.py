@@ -26,6 +26,7 @@ import pytest
 from hosts import SshHosts, made_or_skip
 
 import nbdist
+from nbdist.cluster import launch
 from nbdist.cluster.lifeline import ADDRESS_ENV
 from nbdist.cluster.options import ClusterOptions
 
@@ -63,8 +64,8 @@ def _listeners(procs: list[psutil.Process]) -> list[Listener]:
 
 def _cluster_listeners(cluster: nbdist.Cluster) -> list[Listener]:
     """The cluster's processes' listeners, and the kernel's lifeline server (a thread of this process)."""
-    engines = [p for p in cluster.processes() if "nbdist.cluster.ranks.main" in " ".join(p.cmdline())]
-    lifeline_port = int(engines[0].environ()[ADDRESS_ENV].rpartition(":")[2])
+    server = launch.lifeline_of(cluster._launched.cluster)  # a forked rank's /proc environ is its kernel's
+    lifeline_port = int(server.environment()[ADDRESS_ENV].rpartition(":")[2])
     own = [listener for listener in _listeners([psutil.Process()]) if listener.port == lifeline_port]
     assert own, "the lifeline server is not listening"
     return _listeners(cluster.processes()) + own
@@ -134,8 +135,8 @@ def test_on_one_host_everything_listens_on_loopback_but_hydras_port_which_answer
     got = one_host.run(_on_rank)
     assert all(g["store"] == "FileStore" and g["mode"] == "0o600" and g["sum"] == [2.0, 2.0] for g in got), got
     assert all(g["gloo_interface"] == "lo" for g in got), got
-    engines = [p for p in one_host.processes() if "nbdist.cluster.ranks.main" in " ".join(p.cmdline())]
-    assert {e.environ().get("UCX_TLS") for e in engines} == {os.environ.get("UCX_TLS", "self,sm")}
+    transports = one_host.run(lambda: __import__("os").environ.get("UCX_TLS"))
+    assert set(transports) == {os.environ.get("UCX_TLS", "self,sm")}
     _check_one_host(one_host)
 
 

@@ -235,8 +235,9 @@ def _listening_ports() -> set[int]:
 
 
 def _engines(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """The ranks themselves (mpiexec's command line names the engine module too)."""
-    return [p for p in procs if p.cmdline()[1:3] == ["-m", "nbdist.cluster.ranks.main"]]
+    """The ranks themselves (mpiexec's command line names the engine module too; a rank forked from the kernel shows
+    its command line as one string: cluster/ranks/zygote.py)."""
+    return [p for p in procs if " ".join(p.cmdline()).split()[1:3] == ["-m", "nbdist.cluster.ranks.main"]]
 
 
 def _lifeline_links(engine: psutil.Process, port: int) -> int:
@@ -256,7 +257,7 @@ def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int], int]:
     with nbdist.Cluster(nbdist.cluster.options.ClusterOptions(n=2, mpi_args=mpi_args)) as c:
         assert c.run(lambda: 7) == [7, 7]
         engines = _engines(c.processes())
-        port = int(engines[0].environ()[ADDRESS_ENV].rpartition(":")[2])
+        port = int(launch.lifeline_of(c._launched.cluster).environment()[ADDRESS_ENV].rpartition(":")[2])
         assert port in _listening_ports() and _lifeline_threads() == threads + 1
         links = [_lifeline_links(e, port) for e in engines]
         held = launch.lifeline_of(c._launched.cluster).held()
@@ -289,7 +290,8 @@ def test_sigkill_of_a_kernel_elsewhere_ends_its_engines(tmp_path):
         assert not result.error, result.error_text
         procs = psutil.Process(driver.pid).children(recursive=True)
         engines = _engines(procs)
-        assert len(engines) == 2 and all(e.environ()["NBDIST_KERNEL_HOST"] == "kernel-elsewhere" for e in engines)
+        told = driver.execute("print(c.run(lambda: __import__('os').environ['NBDIST_KERNEL_HOST']))")
+        assert len(engines) == 2 and told.stdout.strip() == "['kernel-elsewhere', 'kernel-elsewhere']", told.stdout
         os.kill(driver.pid, signal.SIGKILL)
         assert wait_until_gone(engines, timeout=5) == []
         assert wait_until_gone(procs, timeout=15) == []

@@ -111,6 +111,9 @@ def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event) 
     follows the thread that forked, not the whole kernel."""
     kernel_pid = os.getpid()
     forked: list = []
+    for stream in (sys.stdout, sys.stderr):  # a fork copies what they hold: flushed there, it would show twice
+        if stream is not None:
+            stream.flush()
 
     def fork() -> None:
         try:

@@ -76,6 +76,7 @@ def _detach_from_kernel(keep: set[int]) -> None:
     for name in ("displayhook", "excepthook"):
         setattr(sys, name, getattr(sys, f"__{name}__"))
     _kept_from_kernel.extend([sys.stdin, sys.stdout, sys.stderr, sys.modules.get("__main__")])
+    _new_standard_streams()  # a notebook kernel's streams send to its notebook: not this process's to use
 
 
 def _null_inherited_descriptors(keep: set[int]) -> None:
