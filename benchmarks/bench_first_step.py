@@ -20,7 +20,7 @@ PYTHONDONTWRITEBYTECODE is set, as an installation does: the warm-up round fills
 
 Target: nbdist's first run / accelerate's <= 1.0 (counted); the second run's ratio is shown.
 
-    python benchmarks/bench_first_step.py [--repeats 3] [--steps 20] [--json out.json]
+    python benchmarks/bench_first_step.py [--repeats 3] [--steps 20] [--processes 2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -114,13 +114,14 @@ ACCELERATE_END = "json.dump(results, open(OUT, 'w'))\n"
 
 def notebook(side: str, settings: dict, out: str) -> nbformat.NotebookNode:
     """The side's notebook: set-up (untimed), the first run, the second run, its results written to `out`."""
-    setup = SETUP.format(out=out, **settings)
+    setup = SETUP.format(out=out, **{k: v for k, v in settings.items() if k != "processes"})
+    n = settings["processes"]
     if side == "nbdist":
-        cells = [setup, NBDIST_RUN.format(start=NBDIST_START.format(n=N), name="first"),
+        cells = [setup, NBDIST_RUN.format(start=NBDIST_START.format(n=n), name="first"),
                  NBDIST_RUN.format(start="", name="second"), NBDIST_END]
     else:
-        cells = [setup, ACCELERATE_TRAIN, ACCELERATE_RUN.format(n=N, name="first"),
-                 ACCELERATE_RUN.format(n=N, name="second"), ACCELERATE_END]
+        cells = [setup, ACCELERATE_TRAIN, ACCELERATE_RUN.format(n=n, name="first"),
+                 ACCELERATE_RUN.format(n=n, name="second"), ACCELERATE_END]
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
     return nb
@@ -201,7 +202,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=64, help="the global batch (over the 2 processes)")
+    parser.add_argument("--processes", type=int, default=N, help="engines / accelerate's processes (4 on 2 cores: "
+                        "the laptop case)")
+    parser.add_argument("--batch", type=int, default=64, help="the global batch (over the processes)")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300, help="seconds a cell may take")
@@ -213,7 +216,7 @@ def main() -> int:
     except ImportError:
         sys.exit("this benchmark needs accelerate: pip install -e '.[bench]' (or pip install accelerate)")
     settings = {"width": args.width, "layers": args.layers, "inputs": 32, "samples": 4096, "batch": args.batch,
-                "steps": args.steps}
+                "steps": args.steps, "processes": args.processes}
     with ClusterRun() as run, bytecode_kept("bench-first-step-pyc-"):  # for the kernels and what they start
         measures = measure(run, args.repeats, settings, args.timeout)
     trained = all(math.isfinite(loss) for loss in measures[0].notes["nbdist_loss"])  # every Trainer trained
