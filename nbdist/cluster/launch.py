@@ -91,6 +91,14 @@ def _kernel_import_paths() -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
+def _warm_or_none() -> warm.WarmProcess | None:
+    """The kernel's warm process; None (fresh ranks) when the fork itself fails, e.g. for want of memory."""
+    try:
+        return warm.start()
+    except OSError:
+        return None
+
+
 def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
     profile_dir = cluster_files.new_profile_dir()
     try:
@@ -201,7 +209,7 @@ def start(options: ClusterOptions) -> Launched:
     try:
         kernel_address = options.kernel_address(allocation)
         if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
-            warm_process = warm.start()  # first: it loads what ranks need while the controller starts
+            warm_process = _warm_or_none()  # first: it loads what ranks need while the controller starts
         cluster = _new_cluster(options, kernel_address)
     except BaseException:
         if warm_process is not None:
