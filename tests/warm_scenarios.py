@@ -11,9 +11,9 @@ import os
 import signal
 import socket
 import sys
-import time
 
 import psutil
+from processes import wait_until_gone
 
 import nbdist
 from nbdist.cluster import launch, warm
@@ -35,22 +35,6 @@ def _world() -> dict:
 def _started(n: int = 2) -> tuple[nbdist.Cluster, warm.WarmProcess]:
     cluster = nbdist.Cluster(n=n, cpu=True).start()
     return cluster, launch._warm[id(cluster._launched.cluster)]  # KeyError: the ranks were not forked
-
-
-def _gone(procs: list[psutil.Process], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(_ended(p) for p in procs):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _ended(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def world() -> dict:
@@ -75,7 +59,8 @@ def killed_rank() -> dict:
     except DistError as e:
         said = str(e)
     cluster.stop()
-    return {"victim": victim, "said": said, "gone": _gone(members, 5), "socket_left": os.path.exists(warm_process.path)}
+    return {"victim": victim, "said": said, "gone": wait_until_gone(members, timeout=5) == [],
+            "socket_left": os.path.exists(warm_process.path)}
 
 
 def stand_in_killed() -> dict:
@@ -84,7 +69,8 @@ def stand_in_killed() -> dict:
         stand_ins = [p for p in cluster.processes() if p.name() == "python" and "warm_stub.py" in " ".join(p.cmdline())]
         ranks = warm_process.ranks()
         stand_ins[0].kill()
-        return {"stand_ins": len(stand_ins), "ranks": len(ranks), "ranks_gone": _gone(ranks, 5)}
+        return {"stand_ins": len(stand_ins), "ranks": len(ranks),
+                "ranks_gone": wait_until_gone(ranks, timeout=5) == []}
     finally:
         cluster.stop()
 
