@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from nbdist.cluster import launch
+from nbdist.cluster import launch, warm
 from nbdist.cluster.arguments import (
     chosen_ranks,
     needs_function,
@@ -73,7 +73,7 @@ class Cluster:
         show_errors_in_ipython()  # `import nbdist; nbdist.start()` in IPython shows errors as %load_ext does
         started = time.perf_counter()
         try:
-            self._launched = launch.start(self.options)
+            self._launched = launch.start(self.options, while_waiting=warm.loader(warm.LOADED_WHILE_STARTING))
             infos = self._launched.client[self._launched.engine_ids].apply_sync(boot.info)
         except BaseException as e:
             self.stop()

@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ipyparallel as ipp
 import psutil
@@ -200,9 +201,10 @@ def _complaint(output: str) -> str:
     return (own or lines or ["(no output)"])[0]
 
 
-def start(options: ClusterOptions) -> Launched:
+def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = None) -> Launched:
     """Start controller and engines (in a Slurm allocation first asked for, with --slurm), connect a client, wait
-    until every engine has registered."""
+    until every engine has registered. `while_waiting()` is called instead of sleeping in that wait, until it
+    returns False (the kernel has nothing else to do meanwhile: api.Cluster.start loads modules in it)."""
     deadline = time.monotonic() + options.timeout
     allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
     warm_process = None
@@ -251,7 +253,9 @@ def start(options: ClusterOptions) -> Launched:
                     f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
                     f"(raise --timeout?); engine output:\n{_tail(next(iter(cluster.engines.values())))}"
                 )
-            time.sleep(0.005)
+            if while_waiting is None or not while_waiting():
+                while_waiting = None
+                time.sleep(0.005)
     except BaseException:
         stop_processes(cluster)
         raise

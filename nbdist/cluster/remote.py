@@ -172,6 +172,8 @@ class Waiter:
         first_failure_at = None
         reason, action = None, None
         last_progress = started
+        if self.progress is not None:  # at once: a live view may be opened by it, as soon as the work is sent
+            self.progress(self.ar)
         try:
             while not self.ar.ready():
                 self.ar.wait(0.05)

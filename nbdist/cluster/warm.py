@@ -11,9 +11,12 @@ forked CUDA context is unusable; the kernel never touches CUDA, but a user's cel
 world of one), nor holds NVML open (nbdist's kernel side opens it only to count GPUs, and closes it).
 `fork=False` (`%dist_start --no-fork`) or `NBDIST_WARM=0` launches fresh ranks instead. The warm process listens on
 a Unix socket in a folder only this user can open, forks only for processes of this user, and dies with the kernel.
+
+The kernel, meanwhile, would only wait: it loads the modules a first training needs (`loader`).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -22,11 +25,18 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import psutil
 
 WARM_ENV = "NBDIST_WARM"  # "0": launch fresh ranks even where they could be forked
 STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks", "warm_stub.py")
+
+# What a notebook's next cells need in the kernel (a Trainer, a plan, its dashboard in a kernel): imported while the
+# start waits for the engines, one module between two looks, instead of after it (about 0.1 s, measured); only in a
+# kernel that has torch already (they import it: 1-3 s, not for a kernel that may never need it)
+LOADED_WHILE_STARTING = ("nbdist.training.trainer", "nbdist.sharding.plan")
+LOADED_IN_A_KERNEL = ("nbdist.training.dashboard",)  # its widgets and plotly: only where it can be shown
 
 
 @dataclass
@@ -137,3 +147,22 @@ def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event) 
     if isinstance(forked[0], BaseException):
         raise forked[0]
     return forked[0]
+
+
+def loader(names: Sequence[str]) -> Callable[[], bool]:
+    """A step at a time, import the next of `names` (and, in an IPython kernel, of LOADED_IN_A_KERNEL) not yet
+    imported, where torch is; False once none is left. A module that fails to import is left for its real import
+    to report."""
+    wanted = (*names, *(LOADED_IN_A_KERNEL if "ipykernel" in sys.modules else ())) if "torch" in sys.modules else ()
+    pending = [name for name in wanted if name not in sys.modules]
+
+    def load_next() -> bool:
+        if not pending:
+            return False
+        try:
+            importlib.import_module(pending.pop(0))
+        except Exception:  # noqa: BLE001 - said where the module is used, if it is
+            pass
+        return True
+
+    return load_next

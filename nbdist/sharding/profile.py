@@ -209,9 +209,12 @@ def _smallest_split(model: nn.Sequential) -> int:
 def _tp_sliced(model: nn.Sequential, tp: int) -> nn.Sequential:
     """A copy of `model` as one tensor-parallel rank holds it: column layers with out_features / tp, row layers with
     in_features / tp (the first slice of the weights)."""
-    sliced = copy.deepcopy(model)
-    for name, style in tp_plan(model).items():
-        old = sliced.get_submodule(name)
+    plan = tp_plan(model)
+    pairs = {name: model.get_submodule(name) for name in plan}
+    # the pairs' layers are replaced below: copied as placeholders, not with their weights (a model's worth of them)
+    sliced = copy.deepcopy(model, memo={id(layer): nn.Identity() for layer in pairs.values()})
+    for name, style in plan.items():
+        old = pairs[name]
         rows, cols = (old.out_features // tp, old.in_features) if style == "colwise" else (
             old.out_features, old.in_features // tp)
         new = nn.Linear(cols, rows, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)

@@ -36,18 +36,11 @@ class Dashboard(WithStaticCopy):
         self.redraws = 0
 
     @classmethod
-    def open(cls, trainer, steps: int, always: bool = False) -> "Dashboard | None":
-        """A dashboard shown in the notebook; outside an IPython kernel (a plain script) None, or with `always` one
-        that draws without being shown (what a benchmark of its cost needs)."""
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-        except ImportError:
-            shell = None
-        if shell is None or not hasattr(shell, "kernel"):
-            return cls(trainer, steps) if always else None
-        return cls(trainer, steps).show()
+    def open(cls, trainer, steps: int, shown: bool = True) -> "Dashboard":
+        """A dashboard, shown in the notebook when `shown` (training/live.py says where it can be); else one that
+        draws without being shown (what a benchmark of its cost needs)."""
+        view = cls(trainer, steps)
+        return view.show() if shown else view
 
     def progress(self, ar) -> None:
         """Called by the cluster's wait about twice a second: merge what the ranks published, redraw."""

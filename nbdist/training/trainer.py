@@ -27,6 +27,7 @@ from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
 from nbdist.training import checkpoints, inputs
 from nbdist.training.history import History
+from nbdist.training.live import DashboardOnceSent, shown
 from nbdist.training.pipeline_steps import PipelineSteps
 from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
@@ -204,14 +205,14 @@ class Trainer:
         until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
         steps = inputs.steps_of(steps, epochs, self.dataset_length, self.data.batch_size)
         inputs.check_lr_schedule(self.optimization.lr_schedule, self.step, steps)
-        live, view = self.telemetry.live, None
-        if live:  # its widgets and plotly are imported only for a dashboard
-            from nbdist.training.dashboard import Dashboard
+        live = self.telemetry.live
+        if not (live and shown(always=live == "always")):
+            return self._train(steps, None) if wait else TrainingRun(self, steps, None)
+        if wait:  # the dashboard is opened once the ranks have their work (training/live.py)
+            return self._train(steps, DashboardOnceSent(self, steps))
+        from nbdist.training.dashboard import Dashboard  # its widgets and plotly: imported only for a dashboard
 
-            view = Dashboard.open(self, steps, always=live == "always")
-        if not wait:
-            return TrainingRun(self, steps, view)
-        return self._train(steps, view)
+        return TrainingRun(self, steps, Dashboard.open(self, steps, shown=shown()))
 
     def _train(self, steps: int, view, background: bool = False) -> list[dict]:
         publish_every = on_ranks.PUBLISH_SECONDS if view is not None else None
