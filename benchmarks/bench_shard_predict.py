@@ -6,7 +6,7 @@ The question (issue 11's second performance target). For each strategy of a plan
 (`plan.predicted_memory()`, and `plan.predicted_step()` after `plan.profile()` timed the layers on rank 0) against
 what the built model measures (`step(..., memory=True)`: bytes of parameters, gradients, optimizer state and
 saved activations per rank, by storage; step time: the median over --steps steps, first rank's start to last
-rank's end, as the ranks report it).
+rank's end, as the ranks report it): nbdist.sharding.accuracy.check, the notebooks' local table.
 Memory: every rank's |measured / predicted - 1| at most 10 %; step time's (median over steps) at most 25 %.
 
     python benchmarks/bench_shard_predict.py [--model 4,128,64] [--batch 32] [--steps 7] [--engines 2]
@@ -14,14 +14,13 @@ Memory: every rank's |measured / predicted - 1| at most 10 %; step time's (media
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 from common import Measure, Run
 from workloads import Gpt, adam
 
-import nbdist
 from nbdist import data, models
+from nbdist.sharding import accuracy
 
 MEMORY_TOLERANCE, TIME_TOLERANCE = 0.10, 0.25
 PLANS = {
@@ -32,42 +31,24 @@ PLANS = {
 }
 
 
-def label(plan: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in plan.items())
-
-
 def measure(cluster, model_fn, plan_settings: dict, args, log) -> list[Measure]:
-    plan = nbdist.shard(model_fn, batch=args.batch, cluster=cluster, **plan_settings)
-    predicted_step = plan.profile().predicted_step().total_s
-    predicted_memory = plan.predicted_memory()
-    built = plan.apply(adam)
     corpus = data.byte_corpus()
-    times, measured = [], None
-    for step in range(args.steps + 1):
-        x, y = data.token_batch(corpus, step, args.batch, args.gpt.seq)
-        built.step(x, y, models.lm_loss, memory=step == 0)
-        # a Sharded model reports its step's span; a pipeline its measured timeline (the same span)
-        times.append(built.step_seconds() if hasattr(built, "step_seconds") else built.timeline.makespan)
-    measured = built.measured_memory()
-    built.close()
-    times = times[1:]  # the first step (memory metering, cold caches) is not timed
-    rows = [Measure(f"{label(plan_settings)}: step time, |measured / predicted - 1|", "%",
-                    [100 * abs(t / predicted_step - 1) for t in times], [], "abs<=", 100 * TIME_TOLERANCE,
-                    notes={"predicted_ms": 1e3 * predicted_step, "measured_ms": [1e3 * t for t in times]},
+    checked = accuracy.check(model_fn, plan_settings, batch=args.batch, steps=args.steps, optimizer_fn=adam,
+                             loss_fn=models.lm_loss, cluster=cluster,
+                             batches=lambda step: data.token_batch(corpus, step, args.batch, args.gpt.seq))
+    rows = [Measure(f"{checked.strategy}: step time, |measured / predicted - 1|", "%",
+                    [100 * abs(t / checked.predicted_s - 1) for t in checked.measured_s], [], "abs<=",
+                    100 * TIME_TOLERANCE, notes={"predicted_ms": 1e3 * checked.predicted_s,
+                                                 "measured_ms": [1e3 * t for t in checked.measured_s],
+                                                 "terms_ms": {k: 1e3 * v for k, v in checked.terms.items()}},
                     per="step")]
-    median = statistics.median(times)
-    log(f"  {label(plan_settings)}: step {1e3 * median:.1f} ms measured, {1e3 * predicted_step:.1f} ms predicted")
-    if measured is not None:
-        for row in measured:
-            coords = plan.layout.coords(row["rank"])
-            want = predicted_memory[coords["pp"]]
-            got = sum(row[k] for k in ("params", "grads", "optimizer", "activations"))
-            log(f"    rank {row['rank']}: measured {got / 2**20:.2f} MiB "
-                f"({', '.join(f'{k} {row[k] / 2**20:.2f}' for k in ('params', 'grads', 'optimizer', 'activations'))})"
-                f", predicted {want.total / 2**20:.2f} MiB ({want})")
-            rows.append(Measure(f"{label(plan_settings)}: rank {row['rank']} memory, |measured / predicted - 1|", "%",
-                                [100 * abs(got / want.total - 1)], [], "abs<=", 100 * MEMORY_TOLERANCE,
-                                notes={"measured_bytes": got, "predicted_bytes": want.total}))
+    log(f"  {checked.strategy}: step {1e3 * checked.measured_median_s:.1f} ms measured, "
+        f"{1e3 * checked.predicted_s:.1f} ms predicted; dominant term: {checked.dominant}")
+    for rank, got, want in checked.memory:
+        log(f"    rank {rank}: measured {got / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
+        rows.append(Measure(f"{checked.strategy}: rank {rank} memory, |measured / predicted - 1|", "%",
+                            [100 * abs(got / want - 1)], [], "abs<=", 100 * MEMORY_TOLERANCE,
+                            notes={"measured_bytes": got, "predicted_bytes": want}))
     return rows
 
 

@@ -22,7 +22,7 @@ from nbdist.sharding.memory import predict_memory, zero1_shares
 from nbdist.sharding.profile import profile_layers, with_times
 from nbdist.sharding.ranks.timing import time_layers
 from nbdist.sharding.shape import check_shape
-from nbdist.sharding.step_time import predict_step_seconds
+from nbdist.sharding.step_time import Overheads, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_pairs, tp_plan
 
 IN, HIDDEN, MID, OUT = 8, 16, 8, 4  # the MLP: Linear(8,16) ReLU Linear(16,8) ReLU Linear(8,4)
@@ -388,3 +388,35 @@ def test_predictions_refuse_what_they_cannot_price():
         memory(layers, pp=2, microbatches=2, schedule=build("1f1b", 2, 4))
     with pytest.raises(DistUsageError, match="1f1b needs microbatches >= stages"):
         memory(layers, pp=2, microbatches=1)
+
+
+# The step split into terms (the local accuracy table's "term that dominates")
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", [dict(microbatches=4), dict(dp=2, zero=1), dict(dp=2, zero=3, microbatches=2),
+                                  dict(tp=2), dict(pp=2, microbatches=4), dict(pp=2, microbatches=4, schedule="gpipe")])
+def test_the_terms_of_a_step_add_up_to_it(plan):
+    layers = with_times(profile_layers(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), torch.randn(2, 8)),
+                        [(1e-3, 2e-3)] * 3)
+    extra = Overheads(tp_linear=(1e-4, 2e-4), fsdp_unit=(3e-4, 4e-4), optimizer_per_param=1e-6)
+    predicted = step(layers, alpha_beta=COSTLY, overheads=extra, **plan)
+    terms = predicted.terms()
+    assert sum(terms.values()) == pytest.approx(predicted.total_s)
+    assert all(seconds >= 0 for seconds in terms.values()), terms
+    m = plan.get("microbatches", 1)
+    assert terms["optimizer"] == pytest.approx(max(predicted.optimizer_s))
+    assert terms["data-parallel sync"] == pytest.approx(max(predicted.dp_sync_s))
+    assert (terms["tensor-parallel all-reduces"] > 0) == (plan.get("tp", 1) > 1)
+    assert (terms["pipeline bubbles and messages"] > 0) == (plan.get("pp", 1) > 1)
+    if plan.get("pp", 1) == 1:  # one stage: its compute, every micro-batch in turn
+        samples = 8 // plan.get("dp", 1) // m
+        assert terms["compute"] == pytest.approx(m * samples * sum(
+            (1e-3 + 2e-3) * (1 - l.tp_params / l.params * (1 - 1 / plan.get("tp", 1)) if l.params else 1.0)
+            for l in layers))
+
+
+def test_the_dominant_term_is_the_largest():
+    predicted = step(timed_mlp(), dp=2, alpha_beta=AlphaBeta(alpha=1.0, beta=0.0))  # a link of 1 s a message
+    assert predicted.dominant() == "data-parallel sync"
+    assert step(timed_mlp(), alpha_beta=FREE).dominant() == "compute"

@@ -73,6 +73,7 @@ class StepTime:
     overheads: Overheads = Overheads()
     library_forward_s: list[float] = field(default_factory=list)  # per stage and micro-batch: DTensor, FSDP2
     library_backward_s: list[float] = field(default_factory=list)
+    microbatches: int = 1
 
     @property
     def makespan_s(self) -> float:
@@ -85,6 +86,30 @@ class StepTime:
     @property
     def total_s(self) -> float:
         return self.makespan_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
+
+    def terms(self) -> dict[str, float]:
+        """The step split into what a reader can check, summing to total_s: on the busiest stage, its layers'
+        compute, its tensor-parallel all-reduces and the libraries' own time (DTensor, FSDP2) over every
+        micro-batch; the rest of the simulated schedule (pipeline bubbles and messages); the data-parallel
+        collectives; the optimizer's step."""
+        m = self.microbatches
+        busy = [m * (f + b + tf + tb + lf + lb) for f, b, tf, tb, lf, lb in
+                zip(self.forward_s, self.backward_s, self.tp_forward_s, self.tp_backward_s,
+                    self.library_forward_s or [0.0] * len(self.forward_s),
+                    self.library_backward_s or [0.0] * len(self.forward_s))]
+        s = max(range(len(busy)), key=busy.__getitem__)
+        library = m * (self.library_forward_s[s] + self.library_backward_s[s]) if self.library_forward_s else 0.0
+        return {"compute": m * (self.forward_s[s] + self.backward_s[s]),
+                "tensor-parallel all-reduces": m * (self.tp_forward_s[s] + self.tp_backward_s[s]),
+                "libraries (DTensor, FSDP2)": library,
+                "pipeline bubbles and messages": max(0.0, self.makespan_s - busy[s]),
+                "data-parallel sync": max(self.dp_sync_s),
+                "optimizer": max(self.optimizer_s, default=0.0)}
+
+    def dominant(self) -> str:
+        """The term that weighs most."""
+        terms = self.terms()
+        return max(terms, key=terms.__getitem__)
 
 
 def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int, zero: int,
@@ -130,7 +155,8 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     shards = dp if zero >= 1 else 1
     optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
                  + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]
-    return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b)
+    return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b,
+                    microbatches)
 
 
 def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, direction: int) -> float:
