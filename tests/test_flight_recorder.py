@@ -136,6 +136,18 @@ def test_idle_engines_and_their_last_call():
     assert [row["where"] for row in view.rows()] == ["", ""]
 
 
+def test_an_engine_caught_in_its_between_cells_progress_tick_is_idle():
+    """Between cells the engine's loop ticks MPI's progress (idle_progress.py); a view that catches a rank there (CI
+    did, once) must say the rank waits for its next cell, not that it runs code."""
+    ticking = IDLE_STACK + [["/x/lib/python3.11/asyncio/events.py", 80, "_run", ""],
+                            [f"{NBDIST}/backend/ranks/idle_progress.py", 52, "tick", "probe()"]]
+    reports = {0: _report([(WORLD, 2, "all_reduce", None, 1, torch.float32, True)], ticking),
+               1: _report([(WORLD, 2, "all_reduce", None, 1, torch.float32, True)], IDLE_STACK)}
+    view = hang.explain(reports)
+    assert view.sentence == "no rank is running a cell: every engine waits for the next one"
+    assert [row["where"] for row in view.rows()] == ["", ""]
+
+
 def test_ranks_that_completed_the_call_the_last_one_waits_in_are_said_to_have_completed_it():
     """The shape of the hang CI met (notebook 32, before idle_progress.py): the peers completed the broadcast and
     their cells, rank 0 still waited in it; they had not 'never reached it'."""

@@ -25,10 +25,11 @@ WAITS, RUNS, IDLE, SILENT = "waits", "runs", "idle", "no answer"
 _WAIT_FILES = ("nbdist/backend/ranks/waiting.py", "nbdist/backend/ranks/mpi_work.py",
                "nbdist/pipeline_parallel/ranks/transport.py", "torch/distributed/distributed_c10d.py",
                "torch/distributed/c10d_logger.py")
-# Frames of the engine's own loop: a stack made of these alone is an engine waiting for the next cell.
+# Frames of the engine's own loop: a stack made of these alone is an engine waiting for the next cell (between
+# cells the loop also ticks MPI's progress: idle_progress.py, which a view caught in it must not call running code).
 _ENGINE_FILES = ("ipyparallel/", "ipykernel/", "IPython/", "tornado/", "zmq/", "asyncio/", "selectors.py",
                  "threading.py", "runpy.py", "nbdist/cluster/ranks/main.py", "nbdist/cluster/lifeline.py",
-                 "traitlets/", "jupyter_client/", "<frozen ")
+                 "nbdist/backend/ranks/idle_progress.py", "traitlets/", "jupyter_client/", "<frozen ")
 _STDLIB = sysconfig.get_paths().get("stdlib", "////")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"  # .../nbdist/
 
