@@ -92,16 +92,14 @@ class StepTime:
         compute, its tensor-parallel all-reduces and the libraries' own time (DTensor, FSDP2) over every
         micro-batch; the rest of the simulated schedule (pipeline bubbles and messages); the data-parallel
         collectives; the optimizer's step."""
-        m = self.microbatches
-        busy = [m * (f + b + tf + tb + lf + lb) for f, b, tf, tb, lf, lb in
-                zip(self.forward_s, self.backward_s, self.tp_forward_s, self.tp_backward_s,
-                    self.library_forward_s or [0.0] * len(self.forward_s),
-                    self.library_backward_s or [0.0] * len(self.forward_s))]
+        m, none = self.microbatches, [0.0] * len(self.forward_s)
+        library = [f + b for f, b in zip(self.library_forward_s or none, self.library_backward_s or none)]
+        busy = [m * (f + b + tf + tb + lib) for f, b, tf, tb, lib in
+                zip(self.forward_s, self.backward_s, self.tp_forward_s, self.tp_backward_s, library)]
         s = max(range(len(busy)), key=busy.__getitem__)
-        library = m * (self.library_forward_s[s] + self.library_backward_s[s]) if self.library_forward_s else 0.0
         return {"compute": m * (self.forward_s[s] + self.backward_s[s]),
                 "tensor-parallel all-reduces": m * (self.tp_forward_s[s] + self.tp_backward_s[s]),
-                "libraries (DTensor, FSDP2)": library,
+                "libraries (DTensor, FSDP2)": m * library[s],
                 "pipeline bubbles and messages": max(0.0, self.makespan_s - busy[s]),
                 "data-parallel sync": max(self.dp_sync_s),
                 "optimizer": max(self.optimizer_s, default=0.0)}

@@ -34,7 +34,12 @@ class DashboardOnceSent:
 
     def _open(self):
         if self._arguments is not None:
-            from nbdist.training.dashboard import Dashboard
-
-            self.view, self._arguments = Dashboard.open(*self._arguments, shown=shown()), None
+            self.view, self._arguments = open_dashboard(*self._arguments), None
         return self.view
+
+
+def open_dashboard(trainer, steps: int):
+    """The Dashboard of a fit, shown where it can be; its widgets and plotly are imported only here."""
+    from nbdist.training.dashboard import Dashboard
+
+    return Dashboard.open(trainer, steps, shown=shown())

@@ -27,7 +27,7 @@ from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
 from nbdist.training import checkpoints, inputs
 from nbdist.training.history import History
-from nbdist.training.live import DashboardOnceSent, shown
+from nbdist.training.live import DashboardOnceSent, open_dashboard, shown
 from nbdist.training.pipeline_steps import PipelineSteps
 from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
@@ -210,9 +210,7 @@ class Trainer:
             return self._train(steps, None) if wait else TrainingRun(self, steps, None)
         if wait:  # the dashboard is opened once the ranks have their work (training/live.py)
             return self._train(steps, DashboardOnceSent(self, steps))
-        from nbdist.training.dashboard import Dashboard  # its widgets and plotly: imported only for a dashboard
-
-        return TrainingRun(self, steps, Dashboard.open(self, steps, shown=shown()))
+        return TrainingRun(self, steps, open_dashboard(self, steps))
 
     def _train(self, steps: int, view, background: bool = False) -> list[dict]:
         publish_every = on_ranks.PUBLISH_SECONDS if view is not None else None
