@@ -420,3 +420,19 @@ def test_the_dominant_term_is_the_largest():
     predicted = step(timed_mlp(), dp=2, alpha_beta=AlphaBeta(alpha=1.0, beta=0.0))  # a link of 1 s a message
     assert predicted.dominant() == "data-parallel sync"
     assert step(timed_mlp(), alpha_beta=FREE).dominant() == "compute"
+
+
+def test_ranks_sharing_the_cores_stretch_a_step_only_where_they_are_busy_at_once():
+    """4 CPU ranks on 2 cores compute 2x slower while all are busy. With one stage (dp, tp) every rank is busy the
+    whole schedule: the step is its alone-time x 2. In a pipeline, warm-up and cool-down keep some stages idle:
+    there the busy ones have the cores to themselves, so the stretch is less than the whole schedule's."""
+    layers = timed_mlp()
+    alone = step(layers, dp=2, alpha_beta=COSTLY)
+    shared = step(layers, dp=2, alpha_beta=COSTLY, contention=2.0)
+    assert shared.makespan_s == pytest.approx(alone.makespan_s)  # the simulated schedule is a rank's alone
+    assert shared.shared_cores_s == pytest.approx(alone.makespan_s)  # x 2: once more
+    assert shared.terms()["ranks sharing the cores"] == pytest.approx(shared.shared_cores_s)
+    assert sum(shared.terms().values()) == pytest.approx(shared.total_s)
+    piped = step(layers, pp=2, microbatches=2, alpha_beta=COSTLY, contention=2.0)
+    assert 0 < piped.shared_cores_s < piped.makespan_s  # less than 2x: somewhere only one stage computes
+    assert step(layers, pp=2, microbatches=2, alpha_beta=COSTLY).shared_cores_s == 0.0  # a rank per core

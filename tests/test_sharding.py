@@ -334,7 +334,9 @@ def test_profile_measures_what_the_libraries_cost_and_the_prediction_adds_it(clu
     assert costs.optimizer_per_dtensor > 0  # DTensor's dispatch of each update op, per parameter tensor
     split = sum(p.tp_dim is not None for layer in plan.layers for p in layer.tensors)
     assert split == 10 * CONFIG["layers"]  # q, k, v, fc weights and biases, out and proj weights, per block
-    elementwise = step.optimizer_s[0] - split * costs.optimizer_per_dtensor
+    assert costs.optimizer_per_tensor > 0  # its loop over the parameter tensors, each rank stepping all of them
+    tensors = sum(len(layer.tensors) for layer in plan.layers)
+    elementwise = step.optimizer_s[0] - split * costs.optimizer_per_dtensor - tensors * costs.optimizer_per_tensor
     params = sum(p.numel() for p in model_fn().parameters())
     assert params / 2 < elementwise / costs.optimizer_per_param < params  # the split ones halved by tp
     assert step.total_s > step.makespan_s

@@ -30,7 +30,7 @@ from nbdist.sharding.memory import RankMemory, predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input, with_times
 from nbdist.sharding.ranks import timing
 from nbdist.sharding.shape import check_shape, micro_batch_size
-from nbdist.sharding.step_time import Overheads, StepTime, predict_step_seconds
+from nbdist.sharding.step_time import Overheads, StepTime, default_alpha_beta, predict_step_seconds
 from nbdist.tensor_parallel.pairs import tp_plan
 from nbdist.wire import portable
 
@@ -144,8 +144,8 @@ class Plan:
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
-        self.overheads = self._measure_overheads()
         self.links = self._measure_links()
+        self.overheads = self._measure_overheads()
         return self
 
     def _measure_links(self) -> dict:
@@ -179,13 +179,48 @@ class Plan:
         """The libraries' own costs on these engines (DTensor per split Linear, FSDP2 per unit, the optimizer per
         parameter), measured with every rank busy as in a step; the slowest rank's figures."""
         mesh = self.cluster.mesh(dp=self.cluster.world_size // self.tp, tp=self.tp)
-        costs = self.cluster.run(timing.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind)
+        shapes = [p.shape for layer in self.layers for p in layer.tensors]  # the optimizer timed on the model's
+        costs = self.cluster.run(timing.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind,
+                                 shapes=shapes, model_fn=portable(self.model_fn),
+                                 size=micro_batch_size(self.batch, self.dp, self.microbatches),
+                                 split=tp_plan(self.model) if self.tp > 1 else None)
         return Overheads(
-            tp_linear=tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1)),
-            fsdp_unit=tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1)),
+            tp_linear=self._tp_linear(costs),
+            fsdp_unit=self._fsdp_unit(costs),
             optimizer_per_param=max(c["optimizer_per_param"] for c in costs),
             optimizer_per_dtensor=max(c["optimizer_per_dtensor"] for c in costs),
+            optimizer_per_tensor=max(c["optimizer_per_tensor"] for c in costs),
         )
+
+    def _tp_linear(self, costs: list[dict]) -> tuple[float, float]:
+        """DTensor's own (forward, backward) seconds per split Linear and micro-batch: the model's most divided
+        layer timed as DTensor on its tp group, less the same layer sliced in plain tensors and less its
+        all-reduces as the prediction prices them (on the tp link), over its split Linears; the slowest rank's.
+        Without that timing (an older engine's reply), the small probe's figure."""
+        if not all("tp_layer" in c for c in costs):
+            return tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1))
+        layer = self.layers[costs[0]["tp_layer"]["index"]]
+        linears = len(layer.tp_allreduce_bytes_per_sample) or 1
+        size = micro_batch_size(self.batch, self.dp, self.microbatches)
+        link = self.links.get("tp") or default_alpha_beta()
+        reduces = [sum(link.ring(entry[i] * size, self.tp) for entry in layer.tp_allreduce_bytes_per_sample
+                       if entry[i]) for i in (0, 1)]
+        return tuple(max(0.0, max(c["tp_layer"]["dtensor"][i] - c["tp_layer"]["split"][i] for c in costs)
+                         - reduces[i]) / linears for i in (0, 1))
+
+    def _fsdp_unit(self, costs: list[dict]) -> tuple[float, float]:
+        """FSDP2's own (forward, backward) seconds per unit and micro-batch: the model's largest layer timed as
+        one unit on the dp group, less the same layer plain and less its gathers and reduce-scatter as the
+        prediction prices them (step_time._dp_sync, on the dp link); the slowest rank's. Without that timing,
+        the small probe's figure."""
+        if not all("fsdp_layer" in c for c in costs):
+            return tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1))
+        layer = self.layers[costs[0]["fsdp_layer"]["index"]]
+        link = self.links.get("dp") or default_alpha_beta()
+        moved = link.gather(sum(p.numel(self.tp) for p in layer.tensors) * 4, self.dp)
+        priced = (moved, moved * (2 if self.zero == 3 else 1))  # backward: gathered again (ZeRO-3), then reduced
+        return tuple(max(0.0, max(c["fsdp_layer"]["sharded"][i] - c["fsdp_layer"]["plain"][i] for c in costs)
+                         - priced[i]) for i in (0, 1))
 
     def predicted_step(self, alpha_beta=None) -> StepTime:
         """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
@@ -194,15 +229,18 @@ class Plan:
         if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
-        layers = with_times(self.layers, [(l.forward_s * slower, l.backward_s * slower) for l in self.layers])
+        # the libraries' costs were measured with every rank busy: per rank alone, as the layers were timed; the
+        # prediction shares the cores where the schedule keeps ranks busy at once (step_time.shared_cores)
+        alone = replace(self.overheads, tp_linear=tuple(t / slower for t in self.overheads.tp_linear),
+                        fsdp_unit=tuple(t / slower for t in self.overheads.fsdp_unit))
         wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
         if alpha_beta is None and not wanted <= set(self.links):  # a plan made by changed(): from the cache
             self.links = self._measure_links()
         links = {} if alpha_beta is not None else self.links
-        return predict_step_seconds(layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
-                                            boundaries=self.boundaries, microbatches=self.microbatches,
-                                            schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
-                                            overheads=self.overheads, links=links)
+        return predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+                                    boundaries=self.boundaries, microbatches=self.microbatches,
+                                    schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
+                                    overheads=alone, links=links, contention=slower)
 
     def contention(self) -> float:
         """How much slower a rank computes in the step than alone in the profile: CPU engines on this host sharing

@@ -43,7 +43,8 @@ class Overheads:
     micro-benchmarks (nbdist/sharding/ranks/sharded.py, mechanism_costs), seconds per micro-batch:
     `tp_linear`: (forward, backward) per tensor-parallel Linear (DTensor's dispatch and redistribution);
     `fsdp_unit`: (forward, backward) per FSDP2 unit (its hooks, gathers and scatters of small shards);
-    `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind);
+    `optimizer_per_param`: the optimizer's step per parameter element (the profile's optimizer kind), and
+    `optimizer_per_tensor` per parameter tensor (its loop over them);
     `optimizer_per_dtensor`: its extra step time per parameter tensor that is a DTensor (FSDP2 shards, split
     Linears), DTensor's dispatch of every update op."""
 
@@ -51,6 +52,7 @@ class Overheads:
     fsdp_unit: tuple[float, float] = (0.0, 0.0)
     optimizer_per_param: float = 0.0
     optimizer_per_dtensor: float = 0.0
+    optimizer_per_tensor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class StepTime:
     library_forward_s: list[float] = field(default_factory=list)  # per stage and micro-batch: DTensor, FSDP2
     library_backward_s: list[float] = field(default_factory=list)
     microbatches: int = 1
+    shared_cores_s: float = 0.0  # what ranks sharing a host's cores add to the schedule (shared_cores)
 
     @property
     def makespan_s(self) -> float:
@@ -85,13 +88,14 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.makespan_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
+        return self.makespan_s + self.shared_cores_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
 
     def terms(self) -> dict[str, float]:
         """The step split into what a reader can check, summing to total_s: on the busiest stage, its layers'
         compute, its tensor-parallel all-reduces and the libraries' own time (DTensor, FSDP2) over every
-        micro-batch; the rest of the simulated schedule (pipeline bubbles and messages); the data-parallel
-        collectives; the optimizer's step."""
+        micro-batch, each as a rank alone would take it; the rest of the simulated schedule (pipeline bubbles
+        and messages); what sharing the cores adds to all that; the data-parallel collectives; the optimizer's
+        step."""
         m, none = self.microbatches, [0.0] * len(self.forward_s)
         library = [f + b for f, b in zip(self.library_forward_s or none, self.library_backward_s or none)]
         busy = [m * (f + b + tf + tb + lib) for f, b, tf, tb, lib in
@@ -101,6 +105,7 @@ class StepTime:
                 "tensor-parallel all-reduces": m * (self.tp_forward_s[s] + self.tp_backward_s[s]),
                 "libraries (DTensor, FSDP2)": m * library[s],
                 "pipeline bubbles and messages": max(0.0, self.makespan_s - busy[s]),
+                "ranks sharing the cores": self.shared_cores_s,
                 "data-parallel sync": max(self.dp_sync_s),
                 "optimizer": max(self.optimizer_s, default=0.0)}
 
@@ -113,7 +118,8 @@ class StepTime:
 def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int, zero: int,
                          boundaries: Sequence[tuple[int, int]] | None, microbatches: int, schedule: str | Schedule,
                          batch: int, alpha_beta: "AlphaBeta | None" = None, param_bytes: int = 4,
-                         overheads: Overheads | None = None, links: dict | None = None) -> StepTime:
+                         overheads: Overheads | None = None, links: dict | None = None,
+                         contention: float = 1.0) -> StepTime:
     """The step's time from timed profiles (with_times), the schedule simulator and the alpha-beta model.
 
     Compute: each layer's seconds per sample x micro-batch size, its split part / tp, the split part taken as its
@@ -127,6 +133,8 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     each micro-batch). `overheads` (measured on the engines): per tensor-parallel Linear and per FSDP2 unit, added
     to each micro-batch's forward and backward; the optimizer's step on each rank's share of the parameters.
     `links`: per dimension ("dp", "tp") the α-β measured on its groups (Plan.profile), else `alpha_beta`.
+    `contention`: how much slower a rank computes when every rank of its host is busy (4 CPU ranks on 2 cores:
+    2); the schedule's times are a rank's alone, stretched where ranks are busy at once (shared_cores).
     """
     check_zero(zero)
     ab = alpha_beta or default_alpha_beta()
@@ -152,9 +160,26 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                      microbatches, dp_ab) for stage in stages]
     shards = dp if zero >= 1 else 1
     optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
+                 + extra.optimizer_per_tensor * _stepped_tensors(stage, dp, zero)
                  + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]
     return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b,
-                    microbatches)
+                    microbatches, shared_cores(timeline, contention))
+
+
+def shared_cores(timeline: "Timeline", contention: float) -> float:
+    """Seconds that ranks sharing their host's cores add to a simulated step. Every pipeline (each dp replica, each
+    tp slice) runs the same schedule at once, so while b of a pipeline's p stages compute, b/p of the host's ranks
+    do, and each computes max(1, contention x b / p) times slower than alone: a pipeline's warm-up and cool-down
+    (some stages idle) run faster than its steady part, and with one stage the whole step is `contention` x."""
+    if contention <= 1.0 or not timeline.spans:
+        return 0.0
+    stages = len(timeline.spans)
+    edges = sorted({t for row in timeline.spans.values() for span in row for t in (span.start, span.end)})
+    added = 0.0
+    for a, b in zip(edges, edges[1:]):
+        busy = sum(any(span.start <= a and b <= span.end for span in row) for row in timeline.spans.values())
+        added += (b - a) * (max(1.0, contention * busy / stages) - 1.0)
+    return added
 
 
 def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, direction: int) -> float:
@@ -163,6 +188,13 @@ def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, di
     linears = sum(len(layer.tp_allreduce_bytes_per_sample) for layer in stage) if tp > 1 else 0
     units = sum(1 for layer in stage if layer.params) if zero >= 2 else 0
     return linears * extra.tp_linear[direction] + units * extra.fsdp_unit[direction]
+
+
+def _stepped_tensors(stage: list[LayerProfile], dp: int, zero: int) -> float:
+    """The parameter tensors a rank's optimizer steps: ZeRO-1 partitions whole tensors over the dp ranks (torch's
+    ZeroRedundancyOptimizer), FSDP2 (ZeRO-2/3) gives every rank a shard of each, otherwise each rank has all."""
+    tensors = sum(len(layer.tensors) for layer in stage)
+    return tensors / dp if zero == 1 else tensors
 
 
 def _dtensors(stage: list[LayerProfile], tp: int, zero: int) -> int:

@@ -32,7 +32,8 @@ import threading
 
 from nbdist.cluster.ranks.boot import STAND_IN_ENV
 
-PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "ipyparallel.engine.app", "nbdist.cluster.ranks.boot")
+PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "ipyparallel.engine.app", "nbdist.cluster.ranks.boot",
+             "mpi4py.MPI")  # MPI's library loaded, not initialised: each rank initialises it (_join_mpi)
 WITH_TORCH = ("torch._dynamo", "nbdist.data_parallel.ranks.ddp")  # preloaded when the kernel had torch (_preload)
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15

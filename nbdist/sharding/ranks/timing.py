@@ -9,6 +9,7 @@ kernel) and are moved to the rank's device first; each forward and backward is t
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 
 import torch
@@ -76,24 +77,33 @@ def model_layer_times(model_fn: bytes, size: int, repeats: int) -> list[tuple[fl
     return time_layers(model, sample_input(model, size), repeats)
 
 
-def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9) -> dict:
+def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9,
+                    shapes: list[tuple[int, ...]] | None = None, model_fn: bytes | None = None,
+                    size: int = 1, split: dict[str, str] | None = None) -> dict:
     """What the libraries cost beyond compute and bytes, on this rank while every rank of `mesh` (dims dp, tp)
     runs the same (so the cores are as shared as in a real step): a small column-then-row Linear pair with and
     without DTensor (tp > 1), with and without FSDP2 units (zero_stage >= 2), and the optimizer's step per parameter.
-    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s}, and
-    the device measured on."""
+    Returns seconds per micro-batch: {"tp_linear": (f, b), "fsdp_unit": (f, b), "optimizer_per_param": s,
+    "optimizer_per_tensor": s}, and the device measured on. The optimizer's step is priced per tensor (its loop
+    over parameters) and per element, the latter from `shapes` (the model's parameters: their sizes decide how
+    well the update's arrays sit in the caches) when given (_optimizer_costs). With `model_fn` (and tp > 1,
+    `split` its tensor-parallel plan, name -> "colwise"/"rowwise"), its most divided layer is also timed at `size`
+    samples, sliced in plain tensors and as DTensor on the tp group: {"tp_layer": {"index", "split": (f, b),
+    "dtensor": (f, b)}}, what DTensor costs at the model's own shapes (the kernel takes the all-reduces out:
+    Plan._tp_linear); with zero_stage >= 2 likewise its largest layer plain and as an FSDP2 unit ("fsdp_layer")."""
     me = rank_mesh.here(mesh)
     width, rows = 64, 16
     (x,) = placement.to_here(torch.randn(rows, width))
     plain = placement.place(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)))
 
-    def forward_backward(model) -> tuple[float, float]:
+    def forward_backward(model, x=x) -> tuple[float, float]:
         forward, backward = [], []
         for i in range(repeats + 2):
             dist.barrier()
+            x_in = x.detach().requires_grad_(x.is_floating_point())
             watch = placement.stopwatch()
             t0 = watch.mark()
-            y = model(x)
+            y = model(x_in)
             t1 = watch.mark()
             y.sum().backward()
             t2 = watch.mark()
@@ -111,17 +121,62 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
                                             {"0": "colwise", "2": "rowwise"})
         f, b = forward_backward(distributed)
         costs["tp_linear"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+        if model_fn is not None:
+            costs["tp_layer"] = _tp_layer_times(model_fn, size, tp, split or {}, me.device_mesh["tp"],
+                                                forward_backward)
     if zero_stage >= 2:
         distributed = zero.shard(copy.deepcopy(plain), me.device_mesh["dp"], zero_stage)
         f, b = forward_backward(distributed)
         costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
+        if model_fn is not None:
+            costs["fsdp_layer"] = _fsdp_layer_times(model_fn, size, me.device_mesh["dp"], zero_stage,
+                                                    forward_backward)
     if distributed is not None:
         extra = (_optimizer_step_seconds(list(distributed.parameters()), optimizer, repeats)
                  - _optimizer_step_seconds(list(plain.parameters()), optimizer, repeats))
         costs["optimizer_per_dtensor"] = max(0.0, extra) / len(list(plain.parameters()))
-    costs["optimizer_per_param"] = _optimizer_seconds_per_param(optimizer)
+    costs["optimizer_per_tensor"], costs["optimizer_per_param"] = _optimizer_costs(optimizer, shapes, repeats)
     costs["device"] = str(x.device)  # where it was measured: the rank's device, or the figures mean nothing
     return costs
+
+
+def _tp_layer_times(model_fn: bytes, size: int, tp: int, split: dict[str, str], tp_mesh,
+                    forward_backward) -> dict:
+    """The model's layer with the most split Linears, at `size` samples on this rank: (forward, backward) seconds
+    as one tensor-parallel rank holds it in plain tensors (sliced), and as DTensor on `tp_mesh`, its all-reduces
+    included; every rank runs the same at once, so the cores are shared as in a step."""
+    from nbdist.sharding.profile import _tp_sliced, sample_input
+    from nbdist.wire import restore
+
+    model = restore(model_fn)()
+    splits = [sum(name.split(".")[0] == str(i) for name in split) for i in range(len(model))]
+    index = max(range(len(model)), key=splits.__getitem__)
+    with torch.no_grad():
+        x = sample_input(model, size)
+        for layer in list(model)[:index]:
+            x = layer(x)
+    sliced = placement.place(_tp_sliced(model, tp)[index])
+    distributed = tensor_parallel.apply(placement.place(model), tp_mesh, split)[index]
+    (x,) = placement.to_here(x)
+    return {"index": index, "split": forward_backward(sliced, x), "dtensor": forward_backward(distributed, x)}
+
+
+def _fsdp_layer_times(model_fn: bytes, size: int, dp_mesh, stage: int, forward_backward) -> dict:
+    """The model's largest layer at `size` samples on this rank: (forward, backward) seconds plain and as one
+    FSDP2 unit on `dp_mesh` (its gathers and reduce-scatters included), every rank at once."""
+    from nbdist.sharding.profile import sample_input
+    from nbdist.wire import restore
+
+    model = restore(model_fn)()
+    index = max(range(len(model)), key=lambda i: sum(p.numel() for p in model[i].parameters()))
+    with torch.no_grad():
+        x = sample_input(model, size)
+        for layer in list(model)[:index]:
+            x = layer(x)
+    plain = placement.place(model[index])
+    sharded = zero.shard(nn.Sequential(copy.deepcopy(plain)), dp_mesh, stage)
+    (x,) = placement.to_here(x)
+    return {"index": index, "plain": forward_backward(plain, x), "sharded": forward_backward(sharded, x)}
 
 
 def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
@@ -142,9 +197,35 @@ def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def _optimizer_seconds_per_param(kind: str, elements: int = 1 << 20, repeats: int = 5) -> float:
-    return _optimizer_step_seconds([nn.Parameter(torch.zeros(elements, device=placement.here()))], kind,
-                                   repeats) / elements
+def _optimizer_costs(kind: str, shapes: list[tuple[int, ...]] | None, repeats: int = 5,
+                     tensors: int = 64) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of the optimizer's step. Per tensor from `tensors`
+    tiny tensors (torch's optimizers loop over parameters on CPU: tens of µs each, as much as the arithmetic of a
+    small model's 70 tensors); per element from a step over tensors of `shapes` (a model's, zeros here), less its
+    tensors' share. Without shapes, one tensor of 1 Mi elements (larger than the caches: an upper figure)."""
+    here = placement.here()
+    tiny = _optimizer_step_seconds([nn.Parameter(torch.zeros(16, device=here)) for _ in range(tensors)], kind,
+                                   repeats)
+    per_tensor = tiny / tensors
+    params = [nn.Parameter(torch.zeros(shape, device=here)) for shape in _sampled(shapes or [(1 << 20,)])]
+    elements = sum(p.numel() for p in params)
+    whole = _optimizer_step_seconds(params, kind, repeats)
+    return per_tensor, max(whole - per_tensor * len(params), 0.1 * whole) / elements
+
+
+def _sampled(shapes: list[tuple[int, ...]], limit: int = 1 << 22) -> list[tuple[int, ...]]:
+    """Each distinct shape once, while the elements stay within `limit` (the optimizer's state of a large model is
+    not allocated four times over to be timed); a shape above it as `limit` elements (as far out of the caches)."""
+    kept, total = [], 0
+    for shape in dict.fromkeys(tuple(s) for s in shapes):
+        size = math.prod(shape)
+        if size > limit:
+            shape, size = (limit,), limit
+        if kept and total + size > limit:
+            continue
+        kept.append(shape)
+        total += size
+    return kept
 
 
 def group_all_reduce_seconds(mesh: str, dim: str, sizes: list[int], repeats: int = 7) -> list[float]:
