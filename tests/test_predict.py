@@ -429,10 +429,14 @@ def test_ranks_sharing_the_cores_stretch_a_step_only_where_they_are_busy_at_once
     layers = timed_mlp()
     alone = step(layers, dp=2, alpha_beta=COSTLY)
     shared = step(layers, dp=2, alpha_beta=COSTLY, contention=2.0)
-    assert shared.makespan_s == pytest.approx(alone.makespan_s)  # the simulated schedule is a rank's alone
-    assert shared.shared_cores_s == pytest.approx(alone.makespan_s)  # x 2: once more
+    assert shared.makespan_s == pytest.approx(2 * alone.makespan_s)  # the schedule as it runs: x 2
+    assert shared.shared_cores_s == pytest.approx(alone.makespan_s)
+    assert shared.forward_s == alone.forward_s  # each stage's price is a rank's alone
     assert shared.terms()["ranks sharing the cores"] == pytest.approx(shared.shared_cores_s)
     assert sum(shared.terms().values()) == pytest.approx(shared.total_s)
     piped = step(layers, pp=2, microbatches=2, alpha_beta=COSTLY, contention=2.0)
-    assert 0 < piped.shared_cores_s < piped.makespan_s  # less than 2x: somewhere only one stage computes
+    by_itself = step(layers, pp=2, microbatches=2, alpha_beta=COSTLY)
+    assert 0 < piped.shared_cores_s < by_itself.makespan_s  # less than 2x: somewhere only one stage computes
+    assert piped.makespan_s == pytest.approx(by_itself.makespan_s + piped.shared_cores_s)
+    assert sum(piped.terms().values()) == pytest.approx(piped.total_s)
     assert step(layers, pp=2, microbatches=2, alpha_beta=COSTLY).shared_cores_s == 0.0  # a rank per core

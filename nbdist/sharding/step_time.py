@@ -13,12 +13,12 @@ from nbdist.cost import data_parallel
 from nbdist.cost.memory import check_zero
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
+from nbdist.schedules.simulate import Span, Timeline
 from nbdist.sharding.profile import LayerProfile
 from nbdist.sharding.shape import layout, micro_batch_size
 
 if TYPE_CHECKING:
     from nbdist.collectives.costmodel import AlphaBeta
-    from nbdist.schedules.simulate import Timeline
 
 
 
@@ -69,14 +69,14 @@ class StepTime:
     tp_backward_s: list[float]
     pp_message_s: float
     dp_sync_s: list[float]
-    pipeline: "Timeline"
+    pipeline: Timeline
     alpha_beta: "AlphaBeta"
     optimizer_s: list[float] = field(default_factory=list)  # per stage: the optimizer's step on a rank's share
     overheads: Overheads = Overheads()
     library_forward_s: list[float] = field(default_factory=list)  # per stage and micro-batch: DTensor, FSDP2
     library_backward_s: list[float] = field(default_factory=list)
     microbatches: int = 1
-    shared_cores_s: float = 0.0  # what ranks sharing a host's cores add to the schedule (shared_cores)
+    shared_cores_s: float = 0.0  # what ranks sharing a host's cores add to the schedule (sharing_the_cores)
 
     @property
     def makespan_s(self) -> float:
@@ -88,7 +88,7 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.makespan_s + self.shared_cores_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
+        return self.makespan_s + max(self.dp_sync_s) + max(self.optimizer_s, default=0.0)
 
     def terms(self) -> dict[str, float]:
         """The step split into what a reader can check, summing to total_s: on the busiest stage, its layers'
@@ -104,7 +104,7 @@ class StepTime:
         return {"compute": m * (self.forward_s[s] + self.backward_s[s]),
                 "tensor-parallel all-reduces": m * (self.tp_forward_s[s] + self.tp_backward_s[s]),
                 "libraries (DTensor, FSDP2)": m * library[s],
-                "pipeline bubbles and messages": max(0.0, self.makespan_s - busy[s]),
+                "pipeline bubbles and messages": max(0.0, self.makespan_s - self.shared_cores_s - busy[s]),
                 "ranks sharing the cores": self.shared_cores_s,
                 "data-parallel sync": max(self.dp_sync_s),
                 "optimizer": max(self.optimizer_s, default=0.0)}
@@ -134,7 +134,8 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     to each micro-batch's forward and backward; the optimizer's step on each rank's share of the parameters.
     `links`: per dimension ("dp", "tp") the α-β measured on its groups (Plan.profile), else `alpha_beta`.
     `contention`: how much slower a rank computes when every rank of its host is busy (4 CPU ranks on 2 cores:
-    2); the schedule's times are a rank's alone, stretched where ranks are busy at once (shared_cores).
+    2). The per-stage times are a rank's alone; the simulated schedule is stretched where ranks compute at once
+    (sharing_the_cores): `pipeline` is the schedule as it runs, `shared_cores_s` what the sharing added.
     """
     check_zero(zero)
     ab = alpha_beta or default_alpha_beta()
@@ -153,8 +154,9 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     lib_b = [_library(stage, tp, zero, extra, 1) for stage in stages]
     message = max((ab.predict(stage[-1].output_bytes_per_sample * size) for stage in stages[:-1]), default=0.0)
     v = schedule.chunks  # the simulator divides a rank's time by its chunks; these times are per stage already
-    timeline = schedule.simulate(forward=[(f + t + o) * v for f, t, o in zip(forward, tp_f, lib_f)],
-                                 backward=[(b + t + o) * v for b, t, o in zip(backward, tp_b, lib_b)], comm=message)
+    alone = schedule.simulate(forward=[(f + t + o) * v for f, t, o in zip(forward, tp_f, lib_f)],
+                              backward=[(b + t + o) * v for b, t, o in zip(backward, tp_b, lib_b)], comm=message)
+    timeline = sharing_the_cores(alone, contention)
     timeline.name, timeline.unit = f"{schedule.name} (predicted)", "s"
     sync = [_dp_sync([sum(p.numel(tp) for p in layer.tensors) * param_bytes for layer in stage], dp, zero,
                      microbatches, dp_ab) for stage in stages]
@@ -163,23 +165,29 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                  + extra.optimizer_per_tensor * _stepped_tensors(stage, dp, zero)
                  + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]
     return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b,
-                    microbatches, shared_cores(timeline, contention))
+                    microbatches, timeline.makespan - alone.makespan)
 
 
-def shared_cores(timeline: "Timeline", contention: float) -> float:
-    """Seconds that ranks sharing their host's cores add to a simulated step. Every pipeline (each dp replica, each
+def sharing_the_cores(timeline: Timeline, contention: float) -> Timeline:
+    """A simulated schedule as it runs when ranks share their host's cores. Every pipeline (each dp replica, each
     tp slice) runs the same schedule at once, so while b of a pipeline's p stages compute, b/p of the host's ranks
-    do, and each computes max(1, contention x b / p) times slower than alone: a pipeline's warm-up and cool-down
-    (some stages idle) run faster than its steady part, and with one stage the whole step is `contention` x."""
-    if contention <= 1.0 or not timeline.spans:
-        return 0.0
-    stages = len(timeline.spans)
+    do, and each computes max(1, contention x b / p) times slower than alone: the clock is stretched by that much
+    there. A pipeline's warm-up and cool-down (some stages idle) stretch less than its steady part; with one stage
+    the whole step takes `contention` x its time alone."""
+    compute = [[s for s in row if s.action.is_compute] for row in timeline.spans.values()]
+    if contention <= 1.0 or not any(compute):
+        return timeline
     edges = sorted({t for row in timeline.spans.values() for span in row for t in (span.start, span.end)})
-    added = 0.0
+    warped = [edges[0]]
     for a, b in zip(edges, edges[1:]):
-        busy = sum(any(span.start <= a and b <= span.end for span in row) for row in timeline.spans.values())
-        added += (b - a) * (max(1.0, contention * busy / stages) - 1.0)
-    return added
+        busy = sum(any(s.start <= a and b <= s.end for s in row) for row in compute)
+        warped.append(warped[-1] + (b - a) * max(1.0, contention * busy / len(compute)))
+    at = dict(zip(edges, warped))
+    spans = {rank: [Span(s.action, at[s.start], at[s.end],
+                         s.wait * (at[s.end] - at[s.start]) / s.duration if s.duration else s.wait) for s in row]
+             for rank, row in timeline.spans.items()}
+    return Timeline(spans, unit=timeline.unit, name=timeline.name, cuts=list(timeline.cuts),
+                    pipelines=list(timeline.pipelines), pipeline_names=list(timeline.pipeline_names))
 
 
 def _library(stage: list[LayerProfile], tp: int, zero: int, extra: Overheads, direction: int) -> float:
