@@ -440,3 +440,18 @@ def test_ranks_sharing_the_cores_stretch_a_step_only_where_they_are_busy_at_once
     assert piped.makespan_s == pytest.approx(by_itself.makespan_s + piped.shared_cores_s)
     assert sum(piped.terms().values()) == pytest.approx(piped.total_s)
     assert step(layers, pp=2, microbatches=2, alpha_beta=COSTLY).shared_cores_s == 0.0  # a rank per core
+
+
+def test_a_rank_waiting_for_a_message_shares_the_cores_only_while_it_polls_without_sleeping():
+    """The MPI backend's waits test without pause for YIELD_SECONDS, then sleep between tests (cost/waiting.py):
+    a stage waiting in a pipeline's warm-up slows its host's busy ranks for that window only."""
+    from nbdist.cost.waiting import YIELD_SECONDS
+    from nbdist.schedules.simulate import Timeline
+    from nbdist.sharding.step_time import sharing_the_cores
+
+    long = 10 * YIELD_SECONDS
+    timeline = Timeline.from_spans({0: [("0F0", 0.0, long)], 1: [("1RECV_F0", 0.0, long), ("1F0", long, 2 * long)]},
+                                   unit="")
+    shared = sharing_the_cores(timeline, contention=2.0)  # 2 stages: both busy -> 2x, one busy -> 1x
+    assert shared.makespan == pytest.approx(2 * long + YIELD_SECONDS)  # only the poll's first window doubled
+    assert sharing_the_cores(timeline, contention=1.0) is timeline

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from nbdist.cost import data_parallel
 from nbdist.cost.memory import check_zero
+from nbdist.cost.waiting import YIELD_SECONDS
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Span, Timeline
@@ -172,17 +173,20 @@ def sharing_the_cores(timeline: Timeline, contention: float) -> Timeline:
     """A simulated schedule as it runs when ranks share their host's cores. Every pipeline (each dp replica, each
     tp slice) runs the same schedule at once, so while b of a pipeline's p stages compute, b/p of the host's ranks
     do, and each computes max(1, contention x b / p) times slower than alone: the clock is stretched by that much
-    there. A pipeline's warm-up and cool-down (some stages idle) stretch less than its steady part; with one stage
-    the whole step takes `contention` x its time alone."""
-    compute = [[s for s in row if s.action.is_compute] for row in timeline.spans.values()]
-    if contention <= 1.0 or not any(compute):
+    there. A rank waiting for a message keeps its core only for the first YIELD_SECONDS of the wait (the MPI
+    backend's polling: cost/waiting.py), then sleeps between tests. A pipeline's warm-up and cool-down (some stages
+    idle) stretch less than its steady part; with one stage the whole step takes `contention` x its time alone."""
+    compute = [[(s.start, s.end) if s.action.is_compute else (s.start, min(s.end, s.start + YIELD_SECONDS))
+                for s in row] for row in timeline.spans.values()]
+    if contention <= 1.0 or not any(s.action.is_compute for row in timeline.spans.values() for s in row):
         return timeline
-    edges = sorted({t for row in timeline.spans.values() for span in row for t in (span.start, span.end)})
+    edges = sorted({t for row in timeline.spans.values() for span in row for t in (span.start, span.end)}
+                   | {t for row in compute for interval in row for t in interval})
     warped = [edges[0]]
     for a, b in zip(edges, edges[1:]):
-        busy = sum(any(s.start <= a and b <= s.end for s in row) for row in compute)
+        busy = sum(any(start <= a and b <= end for start, end in row) for row in compute)
         warped.append(warped[-1] + (b - a) * max(1.0, contention * busy / len(compute)))
-    at = dict(zip(edges, warped))
+    at = dict(zip(edges, warped))  # every span's ends are edges
     spans = {rank: [Span(s.action, at[s.start], at[s.end],
                          s.wait * (at[s.end] - at[s.start]) / s.duration if s.duration else s.wait) for s in row]
              for rank, row in timeline.spans.items()}

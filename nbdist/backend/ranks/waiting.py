@@ -32,12 +32,10 @@ import os
 import time
 
 from nbdist.backend.ranks import roll_call
+from nbdist.cost.waiting import NAP_SECONDS, SPIN_SECONDS, YIELD_SECONDS  # one rule, the predictor's too
 
 abandoned: list = []  # (requests, buffers) of interrupted or timed-out operations: MPI may still write into them
 
-SPIN_SECONDS = 50e-6  # pure spinning this long: a collective between ready ranks completes within it
-YIELD_SECONDS = 5e-3  # then sched_yield between tests, then sleep NAP_SECONDS: a long wait leaves the core free
-NAP_SECONDS = 200e-6
 TRANSFER_SECONDS = 1.0  # how long a transfer (every rank known to be in the operation) is tested without naps
 CHECK_EVERY = 64  # clock reads (and deadline checks) every this many tests while spinning
 
