@@ -8,6 +8,8 @@ what the built model measures (`step(..., memory=True)`: bytes of parameters, gr
 saved activations per rank, by storage; step time: the median over --steps steps, first rank's start to last
 rank's end, as the ranks report it): nbdist.sharding.accuracy.check, the notebooks' local table.
 Memory: every rank's |measured / predicted - 1| at most 10 %; step time's (median over steps) at most 25 %.
+A warm-up first (the first strategy checked once, not counted): a fresh cluster's first plans ran up to 1.5x slower
+for their first seconds (seen on dp=2 zero=1, third in line: 146-202 ms a step against 114-119 in other runs).
 
     python benchmarks/bench_shard_predict.py [--model 4,128,64] [--batch 32] [--steps 7] [--engines 2]
 """
@@ -65,6 +67,7 @@ def main() -> int:
     with Run() as run:
         run.log(f"{args.engines} engines")
         cluster = run.start(args.engines)
+        measure(cluster, args.gpt.builder(), PLANS[args.engines][0], args, lambda line: None)  # warm-up, not counted
         for settings in PLANS[args.engines]:
             measures += measure(cluster, args.gpt.builder(), settings, args, run.log)
     settings = {k: v for k, v in vars(args).items() if k != "gpt"}
