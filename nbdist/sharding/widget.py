@@ -283,7 +283,7 @@ class PlannerView(Controls, WithStaticCopy):
             figures.append(timeline_figure(
                 timeline, title=f"predicted pipeline: {makespan_text(timeline)}, bubble "
                                 f"{timeline.bubble_fraction:.1%}",
-                subtitle="the schedule simulated with the profiled layer times (per pipeline rank)"))
+                subtitle="the schedule simulated with the profiled layer times, stretched where ranks share cores"))
         return figures
 
     def _status_html(self) -> str:
