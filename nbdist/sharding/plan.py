@@ -197,32 +197,30 @@ class Plan:
     def _tp_linear(self, costs: list[dict]) -> tuple[float, float]:
         """DTensor's own (forward, backward) seconds per split Linear and micro-batch: the model's most divided
         layer timed as DTensor on its tp group, less the same layer sliced in plain tensors and less its
-        all-reduces as the prediction prices them (on the tp link), over its split Linears; the slowest rank's.
-        Without that timing (an older engine's reply), the small probe's figure."""
-        if not all("tp_layer" in c for c in costs):
-            return tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1))
+        all-reduces as the prediction prices them (on the tp link), over its split Linears; the slowest rank's."""
+        if self.tp == 1:
+            return 0.0, 0.0
         layer = self.layers[costs[0]["tp_layer"]["index"]]
         linears = len(layer.tp_allreduce_bytes_per_sample) or 1
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         link = self.links.get("tp") or default_alpha_beta()
         reduces = [sum(link.ring(entry[i] * size, self.tp) for entry in layer.tp_allreduce_bytes_per_sample
                        if entry[i]) for i in (0, 1)]
-        return tuple(max(0.0, max(c["tp_layer"]["dtensor"][i] - c["tp_layer"]["split"][i] for c in costs)
-                         - reduces[i]) / linears for i in (0, 1))
+        added = _slowest_added(costs, "tp_layer", "dtensor", "split")
+        return tuple(max(0.0, added[i] - reduces[i]) / linears for i in (0, 1))
 
     def _fsdp_unit(self, costs: list[dict]) -> tuple[float, float]:
         """FSDP2's own (forward, backward) seconds per unit and micro-batch: the model's largest layer timed as
         one unit on the dp group, less the same layer plain and less its gathers and reduce-scatter as the
-        prediction prices them (step_time._dp_sync, on the dp link); the slowest rank's. Without that timing,
-        the small probe's figure."""
-        if not all("fsdp_layer" in c for c in costs):
-            return tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1))
+        prediction prices them (step_time._dp_sync, on the dp link); the slowest rank's."""
+        if self.zero < 2:
+            return 0.0, 0.0
         layer = self.layers[costs[0]["fsdp_layer"]["index"]]
         link = self.links.get("dp") or default_alpha_beta()
         moved = link.gather(sum(p.numel(self.tp) for p in layer.tensors) * 4, self.dp)
         priced = (moved, moved * (2 if self.zero == 3 else 1))  # backward: gathered again (ZeRO-3), then reduced
-        return tuple(max(0.0, max(c["fsdp_layer"]["sharded"][i] - c["fsdp_layer"]["plain"][i] for c in costs)
-                         - priced[i]) for i in (0, 1))
+        added = _slowest_added(costs, "fsdp_layer", "sharded", "plain")
+        return tuple(max(0.0, added[i] - priced[i]) for i in (0, 1))
 
     def predicted_step(self, alpha_beta=None) -> StepTime:
         """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
@@ -232,7 +230,7 @@ class Plan:
             self.profile()
         slower = self.contention()
         # the libraries' costs were measured with every rank busy: per rank alone, as the layers were timed; the
-        # prediction shares the cores where the schedule keeps ranks busy at once (step_time.shared_cores)
+        # prediction shares the cores where the schedule keeps ranks busy at once (step_time.sharing_the_cores)
         alone = replace(self.overheads, tp_linear=tuple(t / slower for t in self.overheads.tp_linear),
                         fsdp_unit=tuple(t / slower for t in self.overheads.fsdp_unit))
         wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
@@ -387,6 +385,12 @@ class Plan:
         for stage, (a, b) in enumerate(self.boundaries):
             plans[stage] = tp_plan(nn.Sequential(*list(self.model)[a:b]))
         return plans
+
+
+def _slowest_added(costs: list[dict], key: str, timed: str, base: str) -> tuple[float, float]:
+    """Per direction (forward, backward), the most any rank's `costs[key][timed]` took over its `costs[key][base]`:
+    a step waits for its slowest rank."""
+    return tuple(max(c[key][timed][i] - c[key][base][i] for c in costs) for i in (0, 1))
 
 
 def _build(model_fn) -> nn.Sequential:

@@ -176,16 +176,16 @@ def sharing_the_cores(timeline: Timeline, contention: float) -> Timeline:
     there. A rank waiting for a message keeps its core only for the first YIELD_SECONDS of the wait (the MPI
     backend's polling: cost/waiting.py), then sleeps between tests. A pipeline's warm-up and cool-down (some stages
     idle) stretch less than its steady part; with one stage the whole step takes `contention` x its time alone."""
-    compute = [[(s.start, s.end) if s.action.is_compute else (s.start, min(s.end, s.start + YIELD_SECONDS))
-                for s in row] for row in timeline.spans.values()]
     if contention <= 1.0 or not any(s.action.is_compute for row in timeline.spans.values() for s in row):
         return timeline
+    holding = [[(s.start, s.end) if s.action.is_compute else (s.start, min(s.end, s.start + YIELD_SECONDS))
+                for s in row] for row in timeline.spans.values()]  # per rank, when it keeps a core busy
     edges = sorted({t for row in timeline.spans.values() for span in row for t in (span.start, span.end)}
-                   | {t for row in compute for interval in row for t in interval})
+                   | {t for row in holding for interval in row for t in interval})
     warped = [edges[0]]
     for a, b in zip(edges, edges[1:]):
-        busy = sum(any(start <= a and b <= end for start, end in row) for row in compute)
-        warped.append(warped[-1] + (b - a) * max(1.0, contention * busy / len(compute)))
+        busy = sum(any(start <= a and b <= end for start, end in row) for row in holding)
+        warped.append(warped[-1] + (b - a) * max(1.0, contention * busy / len(holding)))
     at = dict(zip(edges, warped))  # every span's ends are edges
     spans = {rank: [Span(s.action, at[s.start], at[s.end],
                          s.wait * (at[s.end] - at[s.start]) / s.duration if s.duration else s.wait) for s in row]

@@ -87,10 +87,11 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
     "optimizer_per_tensor": s}, and the device measured on. The optimizer's step is priced per tensor (its loop
     over parameters) and per element, the latter from `shapes` (the model's parameters: their sizes decide how
     well the update's arrays sit in the caches) when given (_optimizer_costs). With `model_fn` (and tp > 1,
-    `split` its tensor-parallel plan, name -> "colwise"/"rowwise"), its most divided layer is also timed at `size`
-    samples, sliced in plain tensors and as DTensor on the tp group: {"tp_layer": {"index", "split": (f, b),
-    "dtensor": (f, b)}}, what DTensor costs at the model's own shapes (the kernel takes the all-reduces out:
-    Plan._tp_linear); with zero_stage >= 2 likewise its largest layer plain and as an FSDP2 unit ("fsdp_layer")."""
+    `split` its tensor-parallel plan, name -> "colwise"/"rowwise"), its most divided layer is timed instead of the
+    probe, at `size` samples, sliced in plain tensors and as DTensor on the tp group: {"tp_layer": {"index",
+    "split": (f, b), "dtensor": (f, b)}}, what DTensor costs at the model's own shapes (the kernel takes the
+    all-reduces out: Plan._tp_linear); with zero_stage >= 2 likewise its largest layer plain and as an FSDP2 unit
+    ("fsdp_layer"). The probe's DTensor or FSDP2 copy still prices the optimizer per DTensor parameter."""
     me = rank_mesh.here(mesh)
     width, rows = 64, 16
     (x,) = placement.to_here(torch.randn(rows, width))
@@ -113,22 +114,26 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
                 backward.append(watch.seconds(t2) - watch.seconds(t1))
         return statistics.median(forward), statistics.median(backward)
 
-    base = forward_backward(plain)
+    def per_probe_layer(distributed) -> tuple[float, float]:  # what the probe's two Linears add, each
+        f, b = forward_backward(distributed)
+        return max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2
+
+    base = forward_backward(plain) if model_fn is None else None  # the probe is timed only without the model
     costs = {"tp_linear": (0.0, 0.0), "fsdp_unit": (0.0, 0.0), "optimizer_per_dtensor": 0.0}
-    distributed = None  # the probe whose parameters are DTensors
+    distributed = None  # the probe whose parameters are DTensors (its optimizer step is timed below)
     if tp > 1:
         distributed = tensor_parallel.apply(copy.deepcopy(plain), me.device_mesh["tp"],
                                             {"0": "colwise", "2": "rowwise"})
-        f, b = forward_backward(distributed)
-        costs["tp_linear"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
-        if model_fn is not None:
+        if model_fn is None:
+            costs["tp_linear"] = per_probe_layer(distributed)
+        else:
             costs["tp_layer"] = _tp_layer_times(model_fn, size, tp, split or {}, me.device_mesh["tp"],
                                                 forward_backward)
     if zero_stage >= 2:
         distributed = zero.shard(copy.deepcopy(plain), me.device_mesh["dp"], zero_stage)
-        f, b = forward_backward(distributed)
-        costs["fsdp_unit"] = (max(0.0, f - base[0]) / 2, max(0.0, b - base[1]) / 2)
-        if model_fn is not None:
+        if model_fn is None:
+            costs["fsdp_unit"] = per_probe_layer(distributed)
+        else:
             costs["fsdp_layer"] = _fsdp_layer_times(model_fn, size, me.device_mesh["dp"], zero_stage,
                                                     forward_backward)
     if distributed is not None:
@@ -145,38 +150,39 @@ def _tp_layer_times(model_fn: bytes, size: int, tp: int, split: dict[str, str], 
     """The model's layer with the most split Linears, at `size` samples on this rank: (forward, backward) seconds
     as one tensor-parallel rank holds it in plain tensors (sliced), and as DTensor on `tp_mesh`, its all-reduces
     included; every rank runs the same at once, so the cores are shared as in a step."""
-    from nbdist.sharding.profile import _tp_sliced, sample_input
-    from nbdist.wire import restore
+    from nbdist.sharding.profile import _tp_sliced
 
-    model = restore(model_fn)()
-    splits = [sum(name.split(".")[0] == str(i) for name in split) for i in range(len(model))]
-    index = max(range(len(model)), key=splits.__getitem__)
-    with torch.no_grad():
-        x = sample_input(model, size)
-        for layer in list(model)[:index]:
-            x = layer(x)
+    model, index, x = _layer_and_input(model_fn, size, lambda i, layer: sum(
+        name.split(".")[0] == str(i) for name in split))
     sliced = placement.place(_tp_sliced(model, tp)[index])
     distributed = tensor_parallel.apply(placement.place(model), tp_mesh, split)[index]
-    (x,) = placement.to_here(x)
     return {"index": index, "split": forward_backward(sliced, x), "dtensor": forward_backward(distributed, x)}
 
 
 def _fsdp_layer_times(model_fn: bytes, size: int, dp_mesh, stage: int, forward_backward) -> dict:
     """The model's largest layer at `size` samples on this rank: (forward, backward) seconds plain and as one
     FSDP2 unit on `dp_mesh` (its gathers and reduce-scatters included), every rank at once."""
+    model, index, x = _layer_and_input(model_fn, size, lambda i, layer: sum(p.numel() for p in layer.parameters()))
+    plain = placement.place(model[index])
+    sharded = zero.shard(nn.Sequential(copy.deepcopy(plain)), dp_mesh, stage)
+    return {"index": index, "plain": forward_backward(plain, x), "sharded": forward_backward(sharded, x)}
+
+
+def _layer_and_input(model_fn: bytes, size: int, weight) -> tuple[nn.Sequential, int, torch.Tensor]:
+    """The model built from the user's function, the index of its top-level layer with the largest
+    `weight(index, layer)` (the first of equals), and that layer's input for `size` samples, on this rank's
+    device."""
     from nbdist.sharding.profile import sample_input
     from nbdist.wire import restore
 
     model = restore(model_fn)()
-    index = max(range(len(model)), key=lambda i: sum(p.numel() for p in model[i].parameters()))
+    index = max(range(len(model)), key=lambda i: weight(i, model[i]))
     with torch.no_grad():
         x = sample_input(model, size)
         for layer in list(model)[:index]:
             x = layer(x)
-    plain = placement.place(model[index])
-    sharded = zero.shard(nn.Sequential(copy.deepcopy(plain)), dp_mesh, stage)
     (x,) = placement.to_here(x)
-    return {"index": index, "plain": forward_backward(plain, x), "sharded": forward_backward(sharded, x)}
+    return model, index, x
 
 
 def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
