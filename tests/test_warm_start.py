@@ -11,7 +11,15 @@ import sys
 
 import psutil
 import pytest
-from warm_scenarios import _world, killed_rank, other_user, parallel_loops, stand_in_killed, world
+from warm_scenarios import (
+    _world,
+    kernel_imported_the_wait,
+    killed_rank,
+    other_user,
+    parallel_loops,
+    stand_in_killed,
+    world,
+)
 
 import nbdist
 from nbdist.cluster import launch, warm
@@ -110,3 +118,9 @@ def test_ranks_run_parallel_loops_after_the_kernel_ran_some():
     large tensor operations must not hang at their first parallel loop (one engine: two threads on two cores)."""
     assert scenario(parallel_loops)["threads"] == [2]
 
+
+def test_a_forked_rank_reads_its_own_environment_where_the_kernel_had_read_its_own():
+    """Modules the kernel imported carry settings read from its environment into the fork: the MPI backend's wait
+    must read Hydra's (ranks per host against cores), or 4 ranks on 2 cores spin without yielding (2.6x slower)."""
+    seen = scenario(kernel_imported_the_wait)
+    assert seen["ranks"] == [seen["expected"]] * 2

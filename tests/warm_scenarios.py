@@ -117,5 +117,25 @@ def parallel_loops() -> dict:
         cluster.stop()
 
 
+def kernel_imported_the_wait() -> dict:
+    """The kernel imported the MPI backend's wait (a benchmark's helpers, a user's import) with the opposite of what
+    the ranks' own environment says about sharing cores: each forked rank reads its own."""
+    from nbdist.backend.ranks import waiting
+
+    n = 2
+    expected = n > len(os.sched_getaffinity(0))  # what Hydra's MPI_LOCALNRANKS will say on this host
+    waiting.OVERSUBSCRIBED, waiting.QUICK_TESTS = not expected, 1 if not expected else 1024
+    cluster, _ = _started(n=n)
+    try:
+        def settings() -> list:
+            from nbdist.backend.ranks import waiting
+
+            return [waiting.OVERSUBSCRIBED, waiting.QUICK_TESTS]
+
+        return {"expected": [expected, 1 if expected else 1024], "ranks": cluster.run(settings)}
+    finally:
+        cluster.stop()
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from nbdist.backend.ranks.waiting import NAP_SECONDS, OVERSUBSCRIBED, TRANSFER_SECONDS, poll, test_all
+from nbdist.backend.ranks import waiting
+from nbdist.backend.ranks.waiting import NAP_SECONDS, TRANSFER_SECONDS, poll, test_all
 from nbdist.debugging.ranks import recorder
 from nbdist.errors import DistUsageError
 
@@ -268,7 +269,7 @@ class _Progress:
         outnumber cores, always the nap: the yielding thread took the core from its own rank's backward (DDP, 4
         ranks on 2 cores: median step 150.7 and 147.0 ms yielding, 130.5 and 138.2 ms napping, 15 steps each)."""
         now = time.monotonic()
-        if not OVERSUBSCRIBED and any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS
+        if not waiting.OVERSUBSCRIBED and any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS
                                       for work in unfinished):
             os.sched_yield()
         else:

@@ -49,10 +49,19 @@ def _oversubscribed() -> bool:
     return int(os.environ.get("MPI_LOCALNRANKS", "1")) > cores
 
 
-OVERSUBSCRIBED = _oversubscribed()  # then every spin yields: a spinning rank holds the core its peer needs
+OVERSUBSCRIBED = False  # then every spin yields: a spinning rank holds the core its peer needs
+QUICK_TESTS = 1024  # the hot path's spin before the full poll (up to ~1 ms, no clock); 1 where oversubscribed
 
 
-QUICK_TESTS = 1 if OVERSUBSCRIBED else 1024  # the hot path's spin before the full poll (up to ~1 ms, no clock)
+def read_environment() -> None:
+    """Set OVERSUBSCRIBED and QUICK_TESTS from this rank's environment: at import, and again in a rank forked from a
+    kernel that had imported this module (cluster/ranks/zygote.py), whose copy was read without Hydra's variables."""
+    global OVERSUBSCRIBED, QUICK_TESTS
+    OVERSUBSCRIBED = _oversubscribed()
+    QUICK_TESTS = 1 if OVERSUBSCRIBED else 1024
+
+
+read_environment()
 
 
 def quickly_complete(first, second) -> bool:
