@@ -15,7 +15,9 @@ How, two ways on one cluster per rank count (2, and 4: on 2 cores the laptop cas
 - shown, whole runs: `nbdist.collectives.benchmark(ops=("all_reduce",), via=("torch",), sizes=(1024,))` with the
   recorder on and off, alternated `--repeats` times: the benchmark as a user runs it, its median with / without.
   At 4 engines its per-repetition ratios range over 0.6-2.3, too wide to resolve 2 %: shown, not counted.
-Also printed: the recorder's own cost per call in this process (begin + end, timeit), the floor of what it adds.
+Also printed: the recorder's own cost per call in this process (begin + end, timeit), the floor of what it adds to
+a call with an entry of its own, and what it adds to a 1 KiB sum inside a run (recorder.py, "Runs"): one comparison,
+and for a sum that waits past the hot path's spin the run marked in flight and done again.
 
     python benchmarks/bench_flight_recorder.py [--ranks 2,4] [--pairs 600] [--calls 200] [--repeats 11]
                                                [--json out.json]
@@ -63,6 +65,38 @@ def recorder_cost_ns(calls: int = 200_000) -> float:
     return spent / calls * 1e9
 
 
+def run_cost_ns(calls: int = 200_000) -> tuple[float, float]:
+    """What the backend's hot path adds to a call inside a run of sums (recorder.py, "Runs"), as
+    nbdist/backend/ranks/mpi_backend.py writes it, in this process: one comparison for a call that completes within
+    its spin; with the run marked in flight and done again for one that waits longer (every call where ranks
+    outnumber cores, which spin one test)."""
+    import torch
+
+    from nbdist.debugging.ranks import recorder
+
+    class Group:  # what start_run reads of a process group
+        recorded_as, calls = ("0", (0, 1)), 1
+
+    key = (256, torch.float32)
+    recorder.start_run(Group, key, "all_reduce", 256, torch.float32)
+
+    def one() -> None:
+        if recorder.on and recorder.run_key is not key:
+            recorder.start_run(Group, key, "all_reduce", 256, torch.float32)
+
+    def waits() -> None:  # a call of the run that did not complete within the spin
+        one()
+        recorder.end(recorder.waiting())
+
+    def nothing() -> None:
+        pass
+
+    floor = min(timeit.repeat(nothing, number=calls, repeat=5))
+    spent = [(min(timeit.repeat(f, number=calls, repeat=5)) - floor) / calls * 1e9 for f in (one, waits)]
+    recorder.clear()
+    return spent[0], spent[1]
+
+
 def paired(cluster, n: int, pairs: int, calls: int) -> Measure:
     """The counted measure: blocks with and without the recorder, interleaved on the ranks."""
     blocks = cluster.run(on_ranks.recorder_pairs, pairs, calls, SIZE)[0]
@@ -100,7 +134,9 @@ def main() -> int:
             measures.append(paired(cluster, n, args.pairs, args.calls))
             measures.append(whole_runs(cluster, n, args.repeats))
             run.log(f"{n} ranks: done")
-    details = f"the recorder's own cost per call (begin + end, in this process): {cost:.0f} ns"
+    quick, waited = run_cost_ns()
+    details = (f"the recorder's own cost per call (begin + end, in this process): {cost:.0f} ns; a sum within a run "
+               f"(the hot path): {quick:.0f} ns if it completes within its spin, {waited:.0f} ns if it waits longer")
     status = run.finish(measures, details=details, json_path=args.json,
                         settings={"pairs": args.pairs, "calls": args.calls, "repeats": args.repeats, "size": SIZE})
     print("ratios: " + "; ".join(f"{m.name}: {m.compared:.3f}" for m in measures))

@@ -377,7 +377,8 @@ def set_recording(on: bool) -> bool:
     """Turn this rank's flight recorder on or off (nbdist/debugging/ranks/recorder.py); returns what it was."""
     from nbdist.debugging.ranks import recorder
 
-    was, recorder.on = recorder.on, on
+    was = recorder.on
+    recorder.recording(on)
     return was
 
 
@@ -398,10 +399,10 @@ def recorder_pairs(pairs: int, calls: int, size: int) -> list[tuple[float, float
         for pair in range(pairs):
             block = {}
             for recording in (True, False) if pair % 2 == 0 else (False, True):
-                recorder.on = recording
+                recorder.recording(recording)
                 bench.barrier()
                 block[recording] = bench.agree_max(bench.timed(calls) / calls)
             seconds.append((block[True], block[False]))
     finally:
-        recorder.on = was
+        recorder.recording(was)
     return seconds if dist.get_rank() == 0 else None

@@ -49,14 +49,79 @@ def test_the_ring_keeps_the_last_calls_in_order_when_it_wraps():
 
 
 def test_recording_off_leaves_the_ring_untouched():
-    recorder.on = False
+    recorder.recording(False)
     try:
         assert recorder.begin(WORLD, 1, "all_reduce", None, 1, torch.float32) is None
         recorder.end(None)
         recorder.failed(None)
     finally:
-        recorder.on = True
+        recorder.recording(True)
     assert recorder.tail() == []
+
+
+class Counting:
+    """What a run reads of a process group (the MPI backend's MpiProcessGroup): its name and its calls so far."""
+
+    def __init__(self, recorded_as: tuple):
+        self.recorded_as, self.calls = recorded_as, 0
+
+    def quick_sums(self, times: int, key: tuple) -> None:
+        """`times` quick sums as the backend's hot path records them (mpi_backend.MpiProcessGroup._sum_now)."""
+        for _ in range(times):
+            self.calls += 1
+            if recorder.on and recorder.run_key is not key:
+                recorder.start_run(self, key, "all_reduce", key[0], key[1])
+
+
+def test_quick_sums_are_one_entry_per_run_and_any_other_call_ends_the_run():
+    world, other = Counting(WORLD), Counting(("1", (0, 1)))
+    small, large = (256, torch.float32), (1024, torch.float32)
+    world.quick_sums(5, small)
+    assert [(c["first"], c["seq"], c["calls"], c["done"]) for c in recorder.tail()] == [(1, 5, 5, True)]  # open
+    world.quick_sums(3, large)  # another size: another run
+    other.quick_sums(2, (256, torch.float32))  # another group: another run
+    world.calls += 1
+    slot = recorder.begin(WORLD, world.calls, "broadcast", None, 8, torch.int64)  # ends the open run
+    world.quick_sums(2, large)  # after the broadcast: a new run, though of the same size as the last one of world
+    calls = recorder.tail()
+    assert [(c["group"], c["call"], c["first"], c["seq"], c["calls"], c["numel"]) for c in calls] == [
+        ("0", "all_reduce", 1, 5, 5, 256), ("0", "all_reduce", 6, 8, 3, 1024), ("1", "all_reduce", 1, 2, 2, 256),
+        ("0", "broadcast", 9, 9, 1, 8), ("0", "all_reduce", 10, 11, 2, 1024)]
+    assert not calls[3]["done"] and calls[4]["done"]
+    recorder.end(slot)
+
+
+def test_a_call_of_a_run_that_waits_shows_the_run_in_flight_and_one_that_fails_leaves_it():
+    world, key = Counting(WORLD), (256, torch.float32)
+    world.quick_sums(4, key)
+    recorder.since[recorder._run[0]] = None
+    slot = recorder.waiting()  # call #4 did not complete within the spin
+    (run,) = recorder.tail()
+    assert (run["first"], run["seq"], run["done"], run["failed"]) == (1, 4, False, False)  # #4 in flight
+    assert run["start"] == recorder.since[slot]  # since it began to wait, not since the run's first call
+    recorder.end(slot)
+    assert recorder.tail()[0]["done"]
+    world.quick_sums(1, key)
+    recorder.run_failed(recorder.waiting(), world, "all_reduce", 256, torch.float32)  # call #5 timed out
+    calls = recorder.tail()
+    assert [(c["first"], c["seq"], c["done"], c["failed"]) for c in calls] == [(1, 4, True, False),
+                                                                             (5, 5, False, True)]
+    world.quick_sums(1, key)  # a new run; its only call fails: the run is removed, the call has its entry
+    recorder.run_failed(recorder.waiting(), world, "all_reduce", 256, torch.float32)
+    assert [(c["first"], c["seq"], c["failed"]) for c in recorder.tail()] == [(1, 4, False), (5, 5, True),
+                                                                           (6, 6, True)]
+
+
+def test_calls_made_while_recording_is_off_are_not_counted_in_a_run():
+    world, key = Counting(WORLD), (256, torch.float32)
+    world.quick_sums(2, key)
+    recorder.recording(False)
+    try:
+        world.quick_sums(3, key)
+    finally:
+        recorder.recording(True)
+    world.quick_sums(1, key)
+    assert [(c["first"], c["seq"]) for c in recorder.tail()] == [(1, 2), (6, 6)]
 
 
 def test_the_main_stack_is_read_from_another_thread():

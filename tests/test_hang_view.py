@@ -157,6 +157,41 @@ def test_a_shape_mismatch_is_named_before_any_timeout(cluster):
     assert re.search(r"disagree on a collective: .*rank 0.*4.*rank 1.*8", str(raised.value)), str(raised.value)
 
 
+RUNS_CELL = """
+import time, torch, torch.distributed as dist
+dist.barrier()
+for _ in range(5):
+    dist.all_reduce(torch.ones(256))
+for _ in range(3):
+    dist.all_reduce(torch.ones(8))
+if dist.get_rank() == 0:
+    time.sleep(0.5)
+dist.all_reduce(torch.ones(8))
+dist.broadcast(torch.ones(4), 0)
+"""
+
+
+def _recorded() -> list[dict]:
+    from nbdist.debugging.ranks import recorder
+
+    return recorder.tail(recorder.SIZE)
+
+
+def test_sums_are_recorded_as_runs_and_every_call_is_accounted_for(cluster):
+    """The backend's hot path writes one entry per run of sums of one size (recorder.py, "Runs"), the one rank 1
+    waited 0.5 s in included: on real ranks every call is still accounted for, in order."""
+    cluster.execute(RUNS_CELL, output="none")
+    for rank, calls in enumerate(cluster.run(_recorded)):
+        barrier = max(i for i, c in enumerate(calls) if c["call"] == "barrier")
+        after = calls[barrier + 1:]
+        seqs = [n for c in after for n in range(c["first"], c["seq"] + 1)]
+        first = calls[barrier]["seq"] + 1
+        assert seqs == list(range(first, first + 10)), after  # 9 sums and the broadcast, each once, in order
+        assert [c["numel"] for c in after for _ in range(c["calls"])] == [256] * 5 + [8] * 4 + [4]
+        assert all(c["done"] for c in after), after
+        assert len(after) == 3, after  # runs (256, then 8 elements) and the broadcast, not one entry per call
+
+
 def test_why_between_cells_says_every_engine_waits_for_the_next_cell(cluster):
     cluster.run(_all_reduce_world)
     started = time.monotonic()

@@ -130,14 +130,14 @@ class SumAgreement:
 
     def __init__(self, size: int):
         self.buffers = Agreement.new_buffers(size)
-        self._size, self._packed, self._expected = size, None, b""
+        self._size, self.packed, self._expected = size, None, b""
 
     def post(self, comm, count: int, dtype: torch.dtype):
         """Post the agreement of a sum of `count` elements of `dtype`; returns the request."""
         mine, everyone = self.buffers
-        if self._packed != (count, dtype):
+        if self.packed != (count, dtype):  # a new tuple per size: the flight recorder's run key (recorder.py)
             _pack(mine, 0, ALL_REDUCE, count, _DTYPE_CODES.get(dtype, NO_DTYPE), SUM, 1, ANY)
-            self._packed, self._expected = (count, dtype), mine.tobytes() * self._size
+            self.packed, self._expected = (count, dtype), mine.tobytes() * self._size
         return comm.Iallgather(mine, everyone)
 
     def agreed(self) -> bool:

@@ -61,12 +61,6 @@ from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
 from nbdist.debugging.ranks import recorder
-from nbdist.debugging.ranks.recorder import DONE
-from nbdist.debugging.ranks.recorder import MASK as _MASK
-from nbdist.debugging.ranks.recorder import clock as _clock
-from nbdist.debugging.ranks.recorder import ends as _ends
-from nbdist.debugging.ranks.recorder import entries as _entries
-from nbdist.debugging.ranks.recorder import numbers as _numbers
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -100,6 +94,7 @@ def renew() -> dict:
             group._agreement_buffers = Agreement.new_buffers(group._n)  # an abandoned all-gather may write the old
             group._sums = SumAgreement(group._n)
             group.generation += 1  # works still pending on the old communicator no longer mark the group
+            recorder.close_run()  # its open run counts calls of the old numbering
             group.calls = 0  # numbered afresh on every rank: a rank that gave up earlier than others made fewer
             group.recorded_as = (*group.recorded_as[:2], group.generation)  # its call #1 from before
             # the renewal is not this one (the notebook's hang view compares generations, debugging/hang.py)
@@ -221,27 +216,23 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         `spec`: the tensor as an MPI buffer (mpi_data.summable)."""
         self.calls += 1
         sums, numel, dtype = self._sums, tensor.numel(), tensor.dtype
-        slot = None
-        if recorder.on:  # the flight recorder's begin, written out: this path is the one that must stay cheap
-            slot = next(_numbers) & _MASK
-            _entries[slot] = (self.recorded_as, self.calls, "all_reduce", None, numel, dtype, _clock())
-            _ends[slot] = None
         agreed = sums.post(comm, numel, dtype)
         request = comm.Iallreduce(data.IN_PLACE, spec, data.MPI_SUM)
+        if recorder.on and recorder.run_key is not sums.packed:  # the flight recorder: one entry per run of
+            recorder.start_run(self, sums.packed, "all_reduce", numel, dtype)  # these sums (recorder.py, "Runs")
         try:
             quick = quickly_complete(agreed, request)
         except BaseException:  # interrupted: both are given up (what MPI may still write kept alive), out of step
             self.abandon("all_reduce", [agreed, request], (tensor, *sums.buffers))
-            recorder.failed(slot)
+            recorder.run_failed(recorder.waiting(), self, "all_reduce", numel, dtype)
             raise
         if quick and sums.agreed():
-            if slot is not None:
-                _ends[slot] = DONE
             return done()
+        slot = recorder.waiting()  # the run in flight, since now
         try:
             self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)
         except BaseException:
-            recorder.failed(slot)
+            recorder.run_failed(slot, self, "all_reduce", numel, dtype)
             raise
         recorder.end(slot)
         return done()

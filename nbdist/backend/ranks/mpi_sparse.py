@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from nbdist.backend.ranks import mpi_data as data
 from nbdist.backend.ranks.mpi_work import complete_now
+from nbdist.debugging.ranks import recorder
 from nbdist.errors import DistUsageError
 
 
@@ -25,6 +26,18 @@ def all_reduce(group, comm, tensor: torch.Tensor, op, seconds: float):
         raise DistUsageError(f"mpi4py all_reduce: a sparse tensor on {tensor.device}; the backend moves CPU tensors")
     group.calls += 1
     name = f"all_reduce #{group.calls}"
+    slot = recorder.begin(group.recorded_as, group.calls, "all_reduce", None, tensor._nnz(), tensor.dtype)
+    try:
+        _sum_sparse(group, comm, tensor, name, seconds)
+    except BaseException:
+        recorder.failed(slot)
+        raise
+    recorder.end(slot)
+    return complete_now(group, name, [], None, (), seconds)
+
+
+def _sum_sparse(group, comm, tensor: torch.Tensor, name: str, seconds: float) -> None:
+    """Gather every rank's non-zeros (their counts first) and sum them into `tensor`."""
     local = tensor.coalesce()
     rows = local.indices().t().contiguous()  # (nnz, sparse dims): one row per non-zero
     values = local.values().contiguous()  # (nnz, *dense dims)
@@ -39,5 +52,4 @@ def all_reduce(group, comm, tensor: torch.Tensor, op, seconds: float):
     complete_now(group, name, requests, None, (rows, values, all_rows, all_values), seconds)
     summed = torch.sparse_coo_tensor(all_rows.t(), all_values, tensor.shape).coalesce()
     tensor.copy_(summed)
-    return complete_now(group, name, [], None, (), seconds)
 

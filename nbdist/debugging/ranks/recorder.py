@@ -8,10 +8,20 @@ request, without the main thread's help, and the notebook compares the ranks (de
 
 Always on, so it must cost almost nothing: one tuple into a preallocated list, one clock read (the start: what a
 hang's "waited 8 s" and the order of calls need; when a call ended is never asked, only whether) and one mark per
-call, no formatting (names, bytes and text are made only when someone reads the ring). Recorded: nbdist's MPI
-backend for torch.distributed (every collective and point-to-point call), the pipeline's MPI transport (waits on
-sends and receives), and what the pipeline executor runs (`doing`: tick and action). torch's own backends (gloo,
-NCCL) are recorded by torch's flight recorder, which the inspector reads beside this one.
+call, no formatting (names, bytes and text are made only when someone reads the ring).
+
+Runs: the backend's hot path (a waited-for all_reduce SUM, most calls of a training loop) writes one entry for a run
+of such calls on one group with one size, not one per call. At 1 KiB such a call takes ~15 us here and every Python
+operation added to it shows (benchmarks/bench_flight_recorder.py, 2 ranks: a tuple and a clock read per call cost
+5 %, a run's one comparison per call 0.6 %). A run's entry is its first call (start, size, dtype); its last is
+its group's count of calls when the next entry is written, or when the ring is read while the run goes on. A call
+that does not complete within the hot path's spin marks the run in flight, since when (`waiting`), and done once
+it completes, so a hang shows the very call it waits in, and how long; a call that fails leaves the run for an
+entry of its own.
+
+Recorded: nbdist's MPI backend for torch.distributed (every collective and point-to-point call), the pipeline's MPI
+transport (waits on sends and receives), and what the pipeline executor runs (`doing`: tick and action). torch's own
+backends (gloo, NCCL) are recorded by torch's flight recorder, which the inspector reads beside this one.
 """
 from __future__ import annotations
 
@@ -32,8 +42,12 @@ entries: list = [None] * SIZE  # (group, seq, call, peer, numel, dtype, start); 
 ends: list = [None] * SIZE  # None while in flight, DONE once completed, FAILED once given up or raised
 DONE = True
 FAILED = False
-numbers = itertools.count()  # counts the calls (never reset: a call's slot is its number masked)
-on = True  # whether the call sites record (False: what the recorder's benchmark compares against)
+lasts: list = [None] * SIZE  # a closed run's last call number (seq); None for an entry of one call
+since: list = [None] * SIZE  # when a run's newest call began to wait, while that run is in flight
+numbers = itertools.count()  # counts the entries (never reset: an entry's slot is its number masked)
+on = True  # whether the call sites record (False: what the recorder's benchmark compares against; see recording)
+run_key = None  # what the open run is keyed on (the hot path's: an object per group and size), None when none is
+_run: tuple | None = None  # the open run's (slot, process group): its group's `calls` count the run's calls
 doing = None  # what this rank's code is doing now, set by long-running walkers: (format, *values), formatted only
 # when read, e.g. ("pipeline tick {}: {}", 7, action)
 
@@ -43,10 +57,68 @@ def begin(group, seq, call: str, peer, numel: int, dtype) -> int | None:
     global ranks) of its group; `seq`: the call's number on that group (collectives), `peer`: a global rank."""
     if not on:
         return None
+    close_run(group, seq)
     slot = next(numbers) & MASK
     entries[slot] = (group, seq, call, peer, numel, dtype, clock())
+    ends[slot], lasts[slot] = None, None
+    return slot
+
+
+def start_run(process_group, key, call: str, numel: int, dtype) -> None:
+    """Open a run of equal sums for `process_group` (it has `recorded_as` and `calls`, the number of the call now
+    starting), keyed on `key` (the caller compares it with run_key before each call: another key, another run)."""
+    global run_key, _run
+    close_run(process_group.recorded_as, process_group.calls)
+    slot = next(numbers) & MASK
+    entries[slot] = (process_group.recorded_as, process_group.calls, call, None, numel, dtype, clock())
+    ends[slot], lasts[slot] = DONE, None
+    run_key, _run = key, (slot, process_group)
+
+
+def close_run(group=None, seq=None) -> None:
+    """End the open run, before an entry for call `seq` of `group` is written (None: of no group, or a point-to-point
+    call that numbers nothing): its last call is its group's latest, or the one before `seq` on its own group. A run
+    left without calls (its first call left it at once) is removed."""
+    global run_key, _run
+    if _run is None:
+        return
+    slot, process_group = _run
+    last = process_group.calls
+    if seq is not None and group is process_group.recorded_as:
+        last = seq - 1
+    if last < entries[slot][1]:
+        entries[slot] = None
+    else:
+        lasts[slot] = last
+    run_key, _run = None, None
+
+
+def waiting() -> int | None:
+    """The open run's newest call did not complete within the hot path's spin: mark the run in flight, since now.
+    Returns its slot for `end` (None when there is no run: recording is off)."""
+    run = _run
+    if run is None:
+        return None
+    slot = run[0]
+    since[slot] = clock()
     ends[slot] = None
     return slot
+
+
+def run_failed(slot: int | None, process_group, call: str, numel: int, dtype) -> None:
+    """The open run's newest call (in flight in `slot`) raised or was given up: it leaves the run (whose calls
+    before it completed) for a failed entry of its own."""
+    if slot is None:
+        return
+    ends[slot] = DONE
+    failed(begin(process_group.recorded_as, process_group.calls, call, None, numel, dtype))
+
+
+def recording(flag: bool) -> None:
+    """Turn recording on or off (the open run ends: the calls made while off are not its)."""
+    global on
+    close_run()
+    on = flag
 
 
 def end(slot: int | None) -> None:
@@ -63,8 +135,12 @@ def failed(slot: int | None) -> None:
 
 def clear() -> None:
     """Forget every call (tests; a user who wants a clean record). In place: call sites hold these lists."""
+    global run_key, _run
     entries[:] = [None] * SIZE
     ends[:] = [None] * SIZE
+    lasts[:] = [None] * SIZE
+    since[:] = [None] * SIZE
+    run_key, _run = None, None
 
 
 # -- reading (the inspector thread, on request) ---------------------------------------------------------------------
@@ -72,18 +148,32 @@ def clear() -> None:
 
 def tail(n: int = TAIL) -> list[dict]:
     """The last `n` calls, oldest first, as plain data: what the notebook is sent."""
-    recorded = sorted(((entry, ends[slot]) for slot, entry in enumerate(list(entries)) if entry is not None),
-                      key=lambda pair: pair[0][-1])  # in the order they started
-    return [_as_data(entry, ended) for entry, ended in recorded[-n:]]
+    run = _run
+    recorded = sorted(((entry, ends[slot], _last(slot, run), slot) for slot, entry in enumerate(list(entries))
+                       if entry is not None), key=lambda row: row[0][-1])  # in the order they started
+    return [_as_data(entry, ended, last, since[slot] if ended is None and last is not None else None)
+            for entry, ended, last, slot in recorded[-n:]]
 
 
-def _as_data(entry: tuple, ended) -> dict:
-    group, seq, call, peer, numel, dtype, start = entry
+def _last(slot: int, run: tuple | None):
+    """The last call of the run in `slot` (the open run's: its group's latest); None for an entry of one call."""
+    if run is not None and run[0] == slot:
+        return run[1].calls
+    return lasts[slot]
+
+
+def _as_data(entry: tuple, ended, last=None, waits_since=None) -> dict:
+    """An entry as plain data; a run's "seq" is its last call, "first" its first, "calls" how many; a run in flight
+    (its last call waits) starts when that call began to wait."""
+    group, first, call, peer, numel, dtype, start = entry
+    seq = first if last is None else last
+    start = start if waits_since is None else waits_since
     itemsize = getattr(dtype, "itemsize", None)
     return {
         "group": None if group is None else group[0], "ranks": None if group is None else list(group[1]),
         "generation": group[2] if group is not None and len(group) > 2 else 0,  # renewals of its communicator
-        "seq": seq, "call": call, "peer": peer, "numel": numel,
+        "seq": seq, "first": first, "calls": 1 if last is None else last - first + 1, "call": call, "peer": peer,
+        "numel": numel,
         "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
         "bytes": None if itemsize is None or numel is None else numel * itemsize, "start": start,
         "done": ended is DONE, "failed": ended is FAILED,
