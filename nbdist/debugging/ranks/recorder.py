@@ -97,7 +97,7 @@ def waiting() -> int | None:
     """The open run's newest call did not complete within the hot path's spin: mark the run in flight, since now.
     Returns its slot for `end` (None when there is no run: recording is off)."""
     run = _run
-    if run is None:
+    if run is None or not on:  # `on` set False directly (not through recording()) leaves a run open
         return None
     slot = run[0]
     since[slot] = clock()
