@@ -94,7 +94,7 @@ def test_quick_sums_are_one_entry_per_run_and_any_other_call_ends_the_run():
 def test_a_call_of_a_run_that_waits_shows_the_run_in_flight_and_one_that_fails_leaves_it():
     world, key = Counting(WORLD), (256, torch.float32)
     world.quick_sums(4, key)
-    recorder.since[recorder._run[0]] = None
+    recorder.since[recorder.open_run[0]] = None
     slot = recorder.waiting()  # call #4 did not complete within the spin
     (run,) = recorder.tail()
     assert (run["first"], run["seq"], run["done"], run["failed"]) == (1, 4, False, False)  # #4 in flight

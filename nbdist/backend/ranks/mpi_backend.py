@@ -61,6 +61,10 @@ from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
 from nbdist.debugging.ranks import recorder
+from nbdist.debugging.ranks.recorder import DONE
+from nbdist.debugging.ranks.recorder import clock as _clock
+from nbdist.debugging.ranks.recorder import ends as _ends
+from nbdist.debugging.ranks.recorder import since as _since
 from nbdist.errors import DistUsageError
 
 NAME = "mpi4py"
@@ -228,13 +232,18 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
             raise
         if quick and sums.agreed():
             return done()
-        slot = recorder.waiting()  # the run in flight, since now
+        slot = None
+        if recorder.on and recorder.open_run is not None:  # recorder.waiting() written out: the run in flight
+            slot = recorder.open_run[0]  # since now (every call takes this path where ranks outnumber cores)
+            _since[slot] = _clock()
+            _ends[slot] = None
         try:
             self._sum_slowly(comm, tensor, numel, agreed, request, quick, opts)
         except BaseException:
             recorder.run_failed(slot, self, "all_reduce", numel, dtype)
             raise
-        recorder.end(slot)
+        if slot is not None:
+            _ends[slot] = DONE
         return done()
 
     def _sum_slowly(self, comm, tensor, numel: int, agreed, request, quick: bool, opts) -> None:

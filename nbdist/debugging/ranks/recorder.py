@@ -47,7 +47,7 @@ since: list = [None] * SIZE  # when a run's newest call began to wait, while tha
 numbers = itertools.count()  # counts the entries (never reset: an entry's slot is its number masked)
 on = True  # whether the call sites record (False: what the recorder's benchmark compares against; see recording)
 run_key = None  # what the open run is keyed on (the hot path's: an object per group and size), None when none is
-_run: tuple | None = None  # the open run's (slot, process group): its group's `calls` count the run's calls
+open_run: tuple | None = None  # (slot, process group) of the open run: its group's `calls` count the run's calls
 doing = None  # what this rank's code is doing now, set by long-running walkers: (format, *values), formatted only
 # when read, e.g. ("pipeline tick {}: {}", 7, action)
 
@@ -67,22 +67,22 @@ def begin(group, seq, call: str, peer, numel: int, dtype) -> int | None:
 def start_run(process_group, key, call: str, numel: int, dtype) -> None:
     """Open a run of equal sums for `process_group` (it has `recorded_as` and `calls`, the number of the call now
     starting), keyed on `key` (the caller compares it with run_key before each call: another key, another run)."""
-    global run_key, _run
+    global run_key, open_run
     close_run(process_group.recorded_as, process_group.calls)
     slot = next(numbers) & MASK
     entries[slot] = (process_group.recorded_as, process_group.calls, call, None, numel, dtype, clock())
     ends[slot], lasts[slot] = DONE, None
-    run_key, _run = key, (slot, process_group)
+    run_key, open_run = key, (slot, process_group)
 
 
 def close_run(group=None, seq=None) -> None:
     """End the open run, before an entry for call `seq` of `group` is written (None: of no group, or a point-to-point
     call that numbers nothing): its last call is its group's latest, or the one before `seq` on its own group. A run
     left without calls (its first call left it at once) is removed."""
-    global run_key, _run
-    if _run is None:
+    global run_key, open_run
+    if open_run is None:
         return
-    slot, process_group = _run
+    slot, process_group = open_run
     last = process_group.calls
     if seq is not None and group is process_group.recorded_as:
         last = seq - 1
@@ -90,13 +90,13 @@ def close_run(group=None, seq=None) -> None:
         entries[slot] = None
     else:
         lasts[slot] = last
-    run_key, _run = None, None
+    run_key, open_run = None, None
 
 
 def waiting() -> int | None:
     """The open run's newest call did not complete within the hot path's spin: mark the run in flight, since now.
     Returns its slot for `end` (None when there is no run: recording is off)."""
-    run = _run
+    run = open_run
     if run is None or not on:  # `on` set False directly (not through recording()) leaves a run open
         return None
     slot = run[0]
@@ -135,12 +135,12 @@ def failed(slot: int | None) -> None:
 
 def clear() -> None:
     """Forget every call (tests; a user who wants a clean record). In place: call sites hold these lists."""
-    global run_key, _run
+    global run_key, open_run
     entries[:] = [None] * SIZE
     ends[:] = [None] * SIZE
     lasts[:] = [None] * SIZE
     since[:] = [None] * SIZE
-    run_key, _run = None, None
+    run_key, open_run = None, None
 
 
 # -- reading (the inspector thread, on request) ---------------------------------------------------------------------
@@ -148,7 +148,7 @@ def clear() -> None:
 
 def tail(n: int = TAIL) -> list[dict]:
     """The last `n` calls, oldest first, as plain data: what the notebook is sent."""
-    run = _run
+    run = open_run
     recorded = sorted(((entry, ends[slot], _last(slot, run), slot) for slot, entry in enumerate(list(entries))
                        if entry is not None), key=lambda row: row[0][-1])  # in the order they started
     return [_as_data(entry, ended, last, since[slot] if ended is None and last is not None else None)
