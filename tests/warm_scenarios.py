@@ -124,7 +124,7 @@ def kernel_imported_the_wait() -> dict:
 
     n = 2
     expected = n > len(os.sched_getaffinity(0))  # what Hydra's MPI_LOCALNRANKS will say on this host
-    waiting.OVERSUBSCRIBED, waiting.QUICK_TESTS = not expected, 1 if not expected else 1024
+    waiting.OVERSUBSCRIBED, waiting.QUICK_TESTS = not expected, 1 if not expected else waiting.SPIN_TESTS
     cluster, _ = _started(n=n)
     try:
         def settings() -> list:
@@ -132,7 +132,7 @@ def kernel_imported_the_wait() -> dict:
 
             return [waiting.OVERSUBSCRIBED, waiting.QUICK_TESTS]
 
-        return {"expected": [expected, 1 if expected else 1024], "ranks": cluster.run(settings)}
+        return {"expected": [expected, 1 if expected else waiting.SPIN_TESTS], "ranks": cluster.run(settings)}
     finally:
         cluster.stop()
 

@@ -269,8 +269,9 @@ class _Progress:
         outnumber cores, always the nap: the yielding thread took the core from its own rank's backward (DDP, 4
         ranks on 2 cores: median step 150.7 and 147.0 ms yielding, 130.5 and 138.2 ms napping, 15 steps each)."""
         now = time.monotonic()
-        if not waiting.OVERSUBSCRIBED and any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS
-                                      for work in unfinished):
+        transferring = any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS
+                           for work in unfinished)
+        if transferring and not waiting.OVERSUBSCRIBED:
             os.sched_yield()
         else:
             time.sleep(NAP_SECONDS / 4)

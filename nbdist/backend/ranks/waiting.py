@@ -49,8 +49,9 @@ def _oversubscribed() -> bool:
     return int(os.environ.get("MPI_LOCALNRANKS", "1")) > cores
 
 
+SPIN_TESTS = 1024  # the hot path's spin before the full poll where each rank has a core (up to ~1 ms, no clock)
 OVERSUBSCRIBED = False  # then every spin yields: a spinning rank holds the core its peer needs
-QUICK_TESTS = 1024  # the hot path's spin before the full poll (up to ~1 ms, no clock); 1 where oversubscribed
+QUICK_TESTS = SPIN_TESTS  # the hot path's spin: SPIN_TESTS, or 1 where oversubscribed (read_environment)
 
 
 def read_environment() -> None:
@@ -58,7 +59,7 @@ def read_environment() -> None:
     kernel that had imported this module (cluster/ranks/zygote.py), whose copy was read without Hydra's variables."""
     global OVERSUBSCRIBED, QUICK_TESTS
     OVERSUBSCRIBED = _oversubscribed()
-    QUICK_TESTS = 1 if OVERSUBSCRIBED else 1024
+    QUICK_TESTS = 1 if OVERSUBSCRIBED else SPIN_TESTS
 
 
 read_environment()
