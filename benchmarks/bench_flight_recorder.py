@@ -66,10 +66,10 @@ def recorder_cost_ns(calls: int = 200_000) -> float:
 
 
 def run_cost_ns(calls: int = 200_000) -> tuple[float, float]:
-    """What the backend's hot path adds to a call inside a run of sums (recorder.py, "Runs"), as
-    nbdist/backend/ranks/mpi_backend.py writes it, in this process: one comparison for a call that completes within
-    its spin; with the run marked in flight and done again for one that waits longer (every call where ranks
-    outnumber cores, which spin one test)."""
+    """What the backend's hot path adds to a call inside a run of sums (recorder.py, "Runs"), in this process: one
+    comparison, as nbdist/backend/ranks/mpi_backend.py writes it, for a call that completes within its spin; with
+    the run marked in flight and done again for one that waits longer (every call where ranks outnumber cores, which
+    spin one test), here through recorder.waiting() and end(), which the hot path writes out (a little cheaper)."""
     import torch
 
     from nbdist.debugging.ranks import recorder

@@ -68,10 +68,10 @@ def start_run(process_group, key, call: str, numel: int, dtype) -> None:
     """Open a run of equal sums for `process_group` (it has `recorded_as` and `calls`, the number of the call now
     starting), keyed on `key` (the caller compares it with run_key before each call: another key, another run)."""
     global run_key, open_run
-    close_run(process_group.recorded_as, process_group.calls)
-    slot = next(numbers) & MASK
-    entries[slot] = (process_group.recorded_as, process_group.calls, call, None, numel, dtype, clock())
-    ends[slot], lasts[slot] = DONE, None
+    slot = begin(process_group.recorded_as, process_group.calls, call, None, numel, dtype)
+    if slot is None:  # not recording
+        return
+    ends[slot] = DONE
     run_key, open_run = key, (slot, process_group)
 
 
