@@ -12,6 +12,7 @@ NBDIST_REQUIRE_HOSTS=1 (CI sets it), where that is a failure.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -149,7 +150,7 @@ def test_a_name_that_does_not_resolve_is_one_line_before_anything_starts(hosts):
 
 def test_an_unreachable_host_is_one_line_within_seconds_and_nothing_is_left(hosts):
     missing = f"{hosts.subnet}.250"  # in the hosts' subnet, where no host answers
-    before, on_host = _children(), set(hosts.engine_pids(hosts.hosts[0]))
+    before, on_host, segments = _children(), set(hosts.engine_pids(hosts.hosts[0])), _mpi_segments()
     started = time.monotonic()
     with pytest.raises(DistError) as failed:
         nbdist.Cluster(ClusterOptions(n=2, hosts=f"{missing}:1,{hosts.hosts[0].address}:1", cpu=True,
@@ -160,6 +161,13 @@ def test_an_unreachable_host_is_one_line_within_seconds_and_nothing_is_left(host
     assert "\n" not in line and took < 20, (took, line)
     assert _children() == before
     assert set(hosts.engine_pids(hosts.hosts[0])) <= on_host
+    # the rank on the reachable host was killed before MPI's start was done: the stop removed its MPICH segment
+    # (the test's hosts share this machine's /dev/shm; on a real host its next start does: tests/test_mpi_segments.py)
+    assert _mpi_segments() <= segments
+
+
+def _mpi_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/mpich_*"))
 
 
 def on_rank_fail_or_wait(failing: int) -> str:

@@ -33,7 +33,7 @@ from typing import Callable
 import ipyparallel as ipp
 import psutil
 
-from nbdist.cluster import deaths, lifeline_server, slurm, warm
+from nbdist.cluster import deaths, lifeline_server, mpi_segments, slurm, warm
 from nbdist.cluster import files as cluster_files
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.ranks.main import START_TIMEOUT_ENV
@@ -56,6 +56,7 @@ class Launched:
 _lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
 _allocations: dict[int, slurm.Allocation] = {}  # id(ipp.Cluster) -> the Slurm allocation it runs in (--slurm)
 _warm: dict[int, warm.WarmProcess] = {}  # id(ipp.Cluster) -> the warm process its ranks are forked from
+_launched_at: dict[int, float] = {}  # id(ipp.Cluster) -> time.time() as its engines were launched (mpi_segments)
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -223,6 +224,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         _allocations[id(cluster)] = allocation
     if warm_process is not None:
         _warm[id(cluster)] = warm_process
+    _launched_at[id(cluster)] = time.time()
     try:
         lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.lifeline", str(os.getpid())]
@@ -329,6 +331,7 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
             os.remove(path)
         except OSError:
             pass
+    mpi_segments.remove_left_since(_launched_at.pop(id(cluster), time.time()))  # a start killed before MPI's
     warm_process = _warm.pop(id(cluster), None)
     if warm_process is not None:
         warm_process.stop()

@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from nbdist.cluster import mpi_segments
 from nbdist.cluster.ranks import devices
 from nbdist.errors import DistUsageError
 
@@ -104,23 +105,13 @@ def _unlink_shared_memory_files() -> None:
 
     MPICH removes it at MPI_Finalize, which engines, ended by a signal, never reach: each stopped cluster left its
     1-2 MB file in /dev/shm (1.7 GB after a day of tests). The mappings stay valid after the name is gone, and
-    MPICH's own removal at finalize then finds nothing and says nothing (tried)."""
-    for path in mpich_shared_memory_files(os.getpid()):
+    MPICH's own removal at finalize then finds nothing and says nothing (tried). A start killed before this point
+    leaves the file: cluster/mpi_segments.py removes it later."""
+    for path in mpi_segments.mapped_by(os.getpid()):
         try:
             os.unlink(path)
         except OSError:
             pass
-
-
-def mpich_shared_memory_files(pid: int) -> set[str]:
-    """The files under /dev/shm that MPICH mapped into process `pid` and that still have a name."""
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            lines = maps.read().splitlines()
-    except OSError:
-        return set()
-    paths = {line.split(maxsplit=5)[-1] for line in lines if " /dev/shm/mpich_" in line}
-    return {path for path in paths if not path.endswith(" (deleted)")}
 
 
 def _visible_gpus(requested: str, cpu: bool) -> int:

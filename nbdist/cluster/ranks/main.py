@@ -23,6 +23,9 @@ def main() -> None:
     from nbdist.cluster import lifeline
 
     lifeline.start()
+    from nbdist.cluster import mpi_segments
+
+    mpi_segments.remove_stale()  # an earlier start on this host killed before MPI's start was done left these
     from nbdist.cluster.ranks import boot
 
     boot.boot()
