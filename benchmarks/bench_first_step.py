@@ -20,6 +20,11 @@ PYTHONDONTWRITEBYTECODE is set, as an installation does: the warm-up round fills
 
 Target: nbdist's first run / accelerate's <= 1.0 (counted); the second run's ratio is shown.
 
+Also shown, to say where the first run's time goes: CPU seconds by process (nbdist's warm process, controller,
+ranks, launcher and the kernel; accelerate's workers and kernel), as nbdist.start returns and after the first run.
+nbdist loads torch._dynamo (which DDP and torch's optimizers import, ~1.1 s here) once, in the warm process, and
+forks the ranks after it; accelerate's workers each load it, side by side, before they rendezvous.
+
     python benchmarks/bench_first_step.py [--repeats 3] [--steps 20] [--processes 2] [--json out.json]
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -42,11 +48,31 @@ N = 2
 SETTLE = 2.0  # seconds of quiet before each notebook: the previous side's processes take a moment to go
 
 SETUP = """\
-import json, os, time
+import json, os, resource, time
 from functools import partial
 
+import psutil
 import torch
 from nbdist import data, models
+
+
+def own_cpu(who=resource.RUSAGE_SELF):
+    used = resource.getrusage(who)
+    return used.ru_utime + used.ru_stime
+
+
+def cpu_by_role(processes):
+    roles = {{}}
+    for p in processes:
+        try:
+            line, used = " ".join(p.cmdline()), p.cpu_times()
+        except psutil.Error:
+            continue
+        role = ("warm process" if "ranks.zygote" in line else "ranks" if "ranks.main" in line else
+                "controller" if "cluster.controller" in line else "launcher")
+        roles[role] = roles.get(role, 0.0) + used.user + used.system
+    return roles
+
 
 model_fn = partial(models.mlp, width={width}, layers={layers}, inputs={inputs}, outputs=1, seed=0)
 data_fn = partial(data.regression_dataset, samples={samples}, inputs={inputs})
@@ -57,22 +83,25 @@ results = {{"pids": [os.getpid()]}}
 """
 
 NBDIST_RUN = """\
-_t0 = time.perf_counter()
+_t0, _cpu0 = time.perf_counter(), own_cpu()
 {start}trainer = nbdist.Trainer(model_fn, data_fn, loss_fn, optimizer_fn, batch_size=BATCH)
 _ready = time.perf_counter()
 trainer.fit(steps=STEPS)
 _end = time.perf_counter()
 _first = trainer.history.records[0]["ranks"][0]
 results[{name!r}] = {{"first_step": _first["ended"] - _t0, "returned": _end - _t0, "trainer_ready": _ready - _t0,
-                     "first_step_started": _first["started"] - _t0, "loss": trainer.history.records[-1]["loss"]}}
+                     "first_step_started": _first["started"] - _t0, "loss": trainer.history.records[-1]["loss"],
+                     "cpu": {{**cpu_by_role(cluster.processes()), "kernel": own_cpu() - _cpu0}}}}
 """
 NBDIST_START = """\
 import nbdist
 cluster = nbdist.start({n}, cpu=True)
 _started = time.perf_counter() - _t0
+_cpu_started = {{**cpu_by_role(cluster.processes()), "kernel": own_cpu() - _cpu0}}
 """
 NBDIST_END = """\
 results["first"]["started"] = _started
+results["first"]["cpu_started"] = _cpu_started
 results["pids"] += [p.pid for p in cluster.processes()]
 cluster.stop()
 json.dump(results, open(OUT, "w"))
@@ -103,11 +132,12 @@ def train_fn(stamp, steps, batch):
                 break
 """
 ACCELERATE_RUN = """\
-_t0 = time.perf_counter()
+_t0, _cpu0, _workers0 = time.perf_counter(), own_cpu(), own_cpu(resource.RUSAGE_CHILDREN)
 from accelerate import notebook_launcher
 notebook_launcher(train_fn, (OUT + ".{name}", STEPS, BATCH), num_processes={n})
 _end = time.perf_counter()
-results[{name!r}] = {{"first_step": float(open(OUT + ".{name}").read()) - _t0, "returned": _end - _t0}}
+results[{name!r}] = {{"first_step": float(open(OUT + ".{name}").read()) - _t0, "returned": _end - _t0,
+                     "cpu": {{"workers": own_cpu(resource.RUSAGE_CHILDREN) - _workers0, "kernel": own_cpu() - _cpu0}}}}
 """
 ACCELERATE_END = "json.dump(results, open(OUT, 'w'))\n"
 
@@ -170,6 +200,10 @@ def measure(run: ClusterRun, repeats: int, settings: dict, timeout: float) -> li
              for k in ("started", "trainer_ready", "first_step_started")}
     notes["nbdist_second_trainer_ready"] = [r["second"]["trainer_ready"] for r in ours]
     notes["nbdist_loss"] = [r[name]["loss"] for r in ours for name in ("first", "second")]
+    notes["cpu"] = {"nbdist, as nbdist.start returned": [r["first"]["cpu_started"] for r in ours],
+                    f"nbdist, first run ({settings['steps']} steps)": [r["first"]["cpu"] for r in ours],
+                    f"accelerate, first run ({settings['steps']} steps)": [r["first"]["cpu"] for r in
+                                                                          samples["accelerate"]]}
     return [
         Measure("first run: cell start to first step done", "s", rows("nbdist", "first"),
                 rows("accelerate", "first"), "ratio<=", 1.0, anchor_name="accelerate", notes=notes),
@@ -195,7 +229,19 @@ def details(measures: list[Measure]) -> str:
     return ("nbdist's first run, per repetition: nbdist.start returned at " + listed(notes["nbdist_started"])
             + "; Trainer set-up " + listed(set_up) + "; cell start to the first step's start "
             + listed(notes["nbdist_first_step_started"]) + "\nsecond Trainer's set-up: "
-            + listed(notes["nbdist_second_trainer_ready"]))
+            + listed(notes["nbdist_second_trainer_ready"]) + "\n" + cpu_used(notes["cpu"]))
+
+
+def cpu_used(by_phase: dict[str, list[dict]]) -> str:
+    """CPU seconds by process role (medians over the repetitions): nbdist's warm process loads torch._dynamo once
+    for every rank, and the ranks start only after it; accelerate's workers each load it, side by side."""
+    lines = ["CPU seconds by process (median over repetitions; 2 cores):"]
+    for phase, rows in by_phase.items():
+        roles = sorted({role for row in rows for role in row})
+        parts = [f"{role} {statistics.median(row.get(role, 0.0) for row in rows):.2f}" for role in roles]
+        total = statistics.median(sum(row.values()) for row in rows)
+        lines.append(f"  {phase}: " + ", ".join(parts) + f"; total {total:.2f}")
+    return "\n".join(lines)
 
 
 def main() -> int:
