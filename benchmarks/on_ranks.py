@@ -264,14 +264,16 @@ class TensorParallelMlp:
     """The model `build` makes, its Linear layers alternately column- and row-parallel over all ranks
     (`parallelize_module`), SGD, and one batch every rank sees whole (tensor parallelism splits the weights)."""
 
-    def __init__(self, build: bytes, x, y, lr: float):
+    def __init__(self, build: bytes, x, y, lr: float, communicate: bool = True):
+        """`communicate=False`: the mesh's group is one whose collectives do nothing (no_communication_mesh), so a
+        step costs what torch's own path and the compute cost, as if a backend took no time at all."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         model = cloudpickle.loads(build)()
         linears = [name for name, m in model.named_children() if isinstance(m, torch.nn.Linear)]
         plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i, name in enumerate(linears)}
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if communicate else no_communication_mesh()
         self.model = parallelize_module(model, mesh, plan)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.batch = x, y
@@ -295,9 +297,9 @@ class TensorParallelMlp:
         return sum(p.to_local().numel() * p.element_size() for p in self.model.parameters())
 
 
-def tp_setup(key: str, build: bytes, x, y, lr: float) -> str:
-    registry.put(KIND, key, TensorParallelMlp(build, x, y, lr))
-    return str(dist.get_backend())
+def tp_setup(key: str, build: bytes, x, y, lr: float, communicate: bool = True) -> str:
+    registry.put(KIND, key, TensorParallelMlp(build, x, y, lr, communicate))
+    return str(dist.get_backend()) if communicate else "no communication"
 
 
 def tp_steps(key: str, k: int) -> dict:
@@ -307,21 +309,48 @@ def tp_steps(key: str, k: int) -> dict:
 # -- what one small all-reduce costs, piece by piece (bench_mpi_backend.py) ------------------------------------------
 
 
-class _NothingGroup(dist.ProcessGroup):
-    """A process group whose all_reduce does nothing: what torch's own `dist.all_reduce` costs around any backend
-    written in Python (the floor under nbdist's MPI backend)."""
+NOTHING = "nbdist_bench_nothing"  # the backend whose groups are _NothingGroups
 
-    def __init__(self, rank: int, size: int):
+
+class _NothingGroup(dist.ProcessGroup):
+    """A process group whose collectives do nothing (their outputs are left as they are): what torch's own path
+    costs around any backend written in Python (`dist.all_reduce`; DTensor's functional collectives), the floor
+    under nbdist's MPI backend."""
+
+    def __init__(self, rank: int, size: int, name: str = "nothing"):
         from nbdist.backend.ranks.mpi_work import done
 
         super().__init__(rank, size)
         self._done = done()  # the completed Work the MPI backend's waited-for calls return
+        self._name = name
 
     def getBackendName(self) -> str:
         return "nothing"
 
-    def allreduce(self, tensors, opts=None):
+    def _get_backend(self, device):
+        return self
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _nothing(self, *args, **kwargs):
         return self._done
+
+    allreduce = allreduce_coalesced = broadcast = barrier = allgather = _allgather_base = _nothing
+    allgather_into_tensor_coalesced = reduce_scatter = _reduce_scatter_base = _nothing
+    reduce_scatter_tensor_coalesced = alltoall_base = scatter = gather = _nothing
+
+
+def no_communication_mesh():
+    """A 1-D DeviceMesh over every rank whose group is a _NothingGroup (registered as a backend of its own, as
+    nbdist's MPI backend is, so that DTensor's functional collectives find it by name)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if NOTHING.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NOTHING, lambda options, _=None: _NothingGroup(
+            options.group_rank, options.group_size, str(options.group_id)), extended_api=True, devices=["cpu"])
+    return DeviceMesh.from_group(dist.new_group(backend=NOTHING), "cpu")
 
 
 def small_call_costs(nbytes: int, k: int) -> dict:
