@@ -4,7 +4,7 @@ Kernel side (this folder): start and stop the controller and the MPI engines (la
 own entry, controller.py), keep them tied to the kernel (lifeline.py, lifeline_server.py), wait on the ranks and show
 their output and failures (remote.py, tracebacks.py, deaths.py), check options and call arguments (options.py,
 arguments.py), hold a Slurm allocation (slurm.py), lay meshes over the ranks (mesh.py), tabulate status (status.py),
-remove MPICH's files a killed start left (mpi_segments.py, also run by each launched rank); `Cluster` (api.py) is
+remove MPICH's files a killed start left (mpi_segments.py, also run by each rank as it starts); `Cluster` (api.py) is
 the face of all of it. Rank side (ranks/): start-up, device, process group, registry, groups, meshes' communicators.
 
 Imported on first use (PEP 562), so that `python -m nbdist.cluster.lifeline` and the engines' rank-side imports do

@@ -8,9 +8,10 @@ because another host could not be reached, a start interrupted or timed out) lea
 host reboots, and each such start adds one. So:
 - a stop removes the files made on the kernel's host since its cluster's engines were launched that no live process
   maps or holds open (a normal stop finds none);
-- every rank launched by mpiexec, before MPI starts, removes its host's files that no live process maps or holds
-  open and that have not changed for STALE_SECONDS (on another host, that is where a failed start's file goes at the
-  next start there: the kernel cannot reach that host's files).
+- every rank, as it starts (cluster/ranks/main.py: a launched rank before MPI starts, a forked one just after, when
+  its own file is fresh and mapped), removes its host's files that no live process maps or holds open and that have
+  not changed for STALE_SECONDS (on another host, that is where a failed start's file goes at the next start there:
+  the kernel cannot reach that host's files).
 Only this user's files: a running job's segment is mapped by its ranks, or already has no name.
 
 Standard library only: it runs in a rank before torch and MPI are loaded.
