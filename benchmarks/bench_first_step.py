@@ -235,7 +235,7 @@ def details(measures: list[Measure]) -> str:
 def cpu_used(by_phase: dict[str, list[dict]]) -> str:
     """CPU seconds by process role (medians over the repetitions): nbdist's warm process loads torch._dynamo once
     for every rank, and the ranks start only after it; accelerate's workers each load it, side by side."""
-    lines = ["CPU seconds by process (median over repetitions; 2 cores):"]
+    lines = [f"CPU seconds by process (median over repetitions; {os.cpu_count()} cores here):"]
     for phase, rows in by_phase.items():
         roles = sorted({role for row in rows for role in row})
         parts = [f"{role} {statistics.median(row.get(role, 0.0) for row in rows):.2f}" for role in roles]
