@@ -66,7 +66,7 @@ CALLS = {  # how the loop calls each function the user gives
 def check_functions(**functions) -> None:
     """Each given function is callable with the arguments the loop passes it (None: not given)."""
     for label, fn in functions.items():
-        if fn is None and label in ("eval_data_fn", "lr_schedule"):
+        if fn is None and label in ("eval_data_fn", "lr_schedule", "loss_fn"):  # loss_fn None: the output's own
             continue
         if not callable(fn):
             raise DistUsageError(f"{label} must be a function, got {type(fn).__name__}")

@@ -142,26 +142,42 @@ def regression_dataset(samples: int = 1024, inputs: int = 16, outputs: int = 1, 
 
 
 def batch_indices(length: int, step: int, batch: int, seed: int = 0) -> torch.Tensor:
-    """The data-set indices of global batch `step`: the samples are read epoch after epoch, each epoch in its own
-    order (a permutation seeded by (seed, epoch)), and batch k takes positions k*batch .. (k+1)*batch - 1 of that
-    stream. It depends on nothing else, so the global batch of a step is the same on any engine count or plan,
-    and a resumed run reads on where the interrupted one stopped."""
+    """The data-set indices of global batch `step`, in torch's DistributedSampler order: each epoch a permutation
+    of the data set drawn from `seed + epoch` (DistributedSampler(shuffle=True, seed=seed) after set_epoch(epoch)),
+    cut into length // batch whole batches (the last partial one dropped, as drop_last=True does); batch k of the
+    run is batch k mod (length // batch) of epoch k // (length // batch). It depends on nothing else, so the global
+    batch of a step is the same on any engine count or plan, and a resumed run reads on where the interrupted one
+    stopped. Replica r of R takes positions r, r + R, ... of it (`replica_share`), which is exactly what
+    DistributedSampler(num_replicas=R, rank=r, shuffle=True, seed=seed, drop_last=True) with a BatchSampler of
+    batch // R gives that replica."""
     length, batch = whole_number(length, "data set length"), whole_number(batch, "batch")
-    position, parts = whole_number(step, "step", 0) * batch, []
-    while batch > 0:
-        epoch, offset = divmod(position, length)
-        take = min(batch, length - offset)
-        parts.append(_epoch_order(length, seed, epoch)[offset: offset + take])
-        position, batch = position + take, batch - take
-    return torch.cat(parts)
+    per_epoch = length // batch
+    if per_epoch == 0:
+        raise DistUsageError(f"a global batch of {batch} samples is larger than the data set's {length}: give "
+                             f"batch_size <= {length}")
+    epoch, k = divmod(whole_number(step, "step", 0), per_epoch)
+    return _epoch_order(length, seed, epoch)[k * batch: (k + 1) * batch]
 
 
 @functools.lru_cache(maxsize=4)
 def _epoch_order(length: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(length, generator=generator("epoch", seed, epoch))
+    return torch.randperm(length, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def collate(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (x, y) pairs at `indices`, stacked into a batch."""
-    pairs = [dataset[int(i)] for i in indices]
-    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+def replica_share(indices: torch.Tensor, replicas: int, replica: int) -> torch.Tensor:
+    """Replica `replica`'s samples of a global batch: every `replicas`-th, from its own position (DistributedSampler
+    deals a batch out this way)."""
+    return indices[replica::replicas]
+
+
+def collate(dataset, indices: torch.Tensor, collate_fn=None):
+    """The samples at `indices` made one batch: by `collate_fn` (a DataLoader's, e.g. a Hugging Face data
+    collator), else torch's default_collate ((x, y) pairs give [X, Y]; dicts a dict of stacked tensors)."""
+    samples = [dataset[int(i)] for i in indices]
+    if collate_fn is not None:
+        return collate_fn(samples)
+    if samples and isinstance(samples[0], (tuple, list)) and all(isinstance(t, torch.Tensor) for t in samples[0]):
+        return tuple(torch.stack([s[i] for s in samples]) for i in range(len(samples[0])))  # the common case, fast
+    from torch.utils.data import default_collate
+
+    return default_collate(samples)

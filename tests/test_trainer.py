@@ -247,10 +247,11 @@ def test_fp16_with_loss_scaling_trains_close_to_fp32(cluster):
 def test_fp16_with_loss_scaling_on_a_split_model_trains_like_one_process_in_fp16(cluster, plan):
     """Each stage (or slice) holds its own gradients; scaled, unscaled, clipped over all of them and stepped, the
     split model trains as one process does under fp16 autocast and torch's GradScaler, to fp16's own rounding: its
-    parameters within 5e-4 of that process's (measured: pp=2 1.0e-4, a few embedding rows whose tiny gradients Adam
-    magnifies; tp=2 3.7e-4, its partial sums rounded to fp16 before the all-reduce adds them; cutting the same
-    process's batch in two micro-batches moves fp16 by 2.7e-4), closer than fp16 is to fp32 (1.1e-3). (No step
-    overflows here: that every rank then skips together is tests/test_loss_scaling.py's.)"""
+    parameters within 1e-3 of that process's and less than half as far as fp16 is from fp32. Measured on the global
+    batches of torch's DistributedSampler order (issue 40): pp=2 3.7e-7; tp=2 7.0e-4, its partial sums rounded to
+    fp16 before the all-reduce adds them, against fp16's 2.1e-3 from fp32 (on the earlier order: 1.0e-4, 3.7e-4 and
+    1.1e-3, the same proportion). (No step overflows here: that every rank then skips together is
+    tests/test_loss_scaling.py's.)"""
     tr = trainer(cluster, plan=plan, precision="fp16", clip=1.0)
     try:
         tr.fit(steps=6)
@@ -258,7 +259,7 @@ def test_fp16_with_loss_scaling_on_a_split_model_trains_like_one_process_in_fp16
         expected = serial(6, grad_accum=2 if "pp" in plan else 1, clip=1.0, fp16=scales)
         fp32, got = serial(6), tr.state_dict()
         gap = max((got[k] - expected[k]).abs().max().item() for k in expected)
-        assert gap < 5e-4, gap
+        assert gap < 1e-3, gap
         assert max((got[k] - fp32[k]).abs().max().item() for k in fp32) > 2 * gap  # fp16 was really used
         assert all(torch.isfinite(v).all() for v in got.values())
         assert scales == [65536.0] * 6  # torch's initial scale, kept: every step was taken

@@ -183,7 +183,7 @@ BAD_INPUTS = [  # (id, Trainer / fit options, the line)
     ("zero lr", dict(optimizer_fn=zero_lr), r"optimizer_fn's learning rate must be > 0, got lr=0\.0"),
     ("no optimizer", dict(optimizer_fn=parameters_list),
      r"optimizer_fn must return a torch\.optim\.Optimizer .*got list"),
-    ("no module", dict(model_fn=not_a_module), r"model_fn must return an nn\.Sequential .*got int"),
+    ("no module", dict(model_fn=not_a_module), r"model_fn must return an nn\.Module .*got int"),
     ("no module, local-sgd", dict(model_fn=not_a_module, sync="local-sgd"),
      r"model_fn must return an nn\.Module, got int"),
     ("no data set", dict(data_fn=no_data), r"data_fn no_data must return a map-style data set .*got int"),

@@ -29,11 +29,13 @@ from nbdist.cluster.api import Cluster, current
 from nbdist.cluster.mesh import Mesh
 from nbdist.errors import DistUsageError
 from nbdist.models.gathered import GatheredModel
-from nbdist.pipeline_parallel.inputs import check_batch, check_pipeline_zero, check_step_inputs, meta_model
+from nbdist.models import batches
+from nbdist.pipeline_parallel.cut import Cut, Cutting
+from nbdist.pipeline_parallel.inputs import check_batch, check_pipeline_zero, check_step_inputs
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks import pipeline as on_ranks
 from nbdist.pipeline_parallel.spec import TRANSPORTS, StageSpec
-from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes, unsplit_key
+from nbdist.pipeline_parallel.stages import unsplit_key
 from nbdist.pipeline_parallel.stepping import action_ticks, work_timeline
 from nbdist.schedules.generators import build
 from nbdist.schedules.nccl import check_nccl
@@ -62,14 +64,24 @@ def pipeline(
     transport: str = "auto",
     tp_plan: dict[int, dict[str, str]] | None = None,
     zero: int = 0,
+    split_points: list[str] | None = None,
+    example_input=None,
+    sync_batchnorm: bool = False,
 ) -> "Pipeline":
     """Split `model` across `stages` ranks (or a mesh's pp dimension) and prepare `schedule` (a name, or a
     Schedule you built or wrote).
 
-    model: an nn.Sequential, or a zero-argument function that builds it (each rank then builds its own part).
+    model: an nn.Sequential, or a zero-argument function that builds any nn.Module (each rank then builds its
+    own part); or a list of functions, one per stage, each building that stage's module (forward(x) -> the next
+    stage's input; the last stage's output goes to the loss).
+    split_points: for a model that is not a Sequential, the module names that begin each later stage (torch's
+    pipelining vocabulary: ["model.layers.2"]); each stage is then a pruned copy of the model
+    (pipeline_parallel/split.py). Without them the model's units (models/structure.py) are balanced by
+    parameters. Either way each cut is proven on `example_input` (a few samples of what the model takes) before
+    anything runs on the ranks.
     mesh: run one pipeline per data-parallel replica of the mesh (its pp size is the number of stages; dp, if
     present, the number of replicas); the batch given to step() is split across the replicas.
-    balance: layers per stage (p*v entries); None balances by parameter count.
+    balance: layers (units) per stage (p*v entries); None balances by parameter count.
     optimizer: e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`, built on each rank for its parameters and
     stepped after each `step()`. For "pipedream", each stage instead takes an SGD step of size `lr` after every
     micro-batch's backward, with the weights stashed at that micro-batch's forward.
@@ -83,7 +95,7 @@ def pipeline(
     cluster = cluster or current()
     mesh = _pipeline_mesh(cluster, mesh, stages, tp_plan is not None)
     return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport, tp_plan,
-                    zero)
+                    zero, Cutting(split_points, example_input, sync_batchnorm))
 
 
 def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tensor_parallel: bool = False) -> Mesh:
@@ -114,7 +126,7 @@ def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tens
 
 class Pipeline(GatheredModel):
     def __init__(self, model, mesh: Mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr,
-                 transport, tp_plan=None, zero: int = 0):
+                 transport, tp_plan=None, zero: int = 0, cutting: Cutting | None = None):
         self.cluster, self.mesh, self.tp_plan = cluster, mesh, tp_plan
         p = mesh.dim_size("pp")
         self.replicas = mesh.dim_size("dp") if "dp" in mesh.names else 1
@@ -124,13 +136,9 @@ class Pipeline(GatheredModel):
         if self.replicas > 1 and self.schedule.name == "pipedream":
             raise DistUsageError("pipedream updates weights after every micro-batch, which data parallelism "
                                  "(dp > 1) would have to average each time: not supported; use a mesh without dp")
-        self.meta_model = meta_model(model)
-        pieces = self.schedule.stages
-        if pieces > len(self.meta_model):
-            raise DistUsageError(
-                f"the model has {len(self.meta_model)} layers, fewer than stages × chunks = {pieces} pieces")
-        self.balance = layer_counts(parameter_sizes(self.meta_model), pieces, balance)
-        self.ranges = boundaries(self.balance)
+        self.cut = Cut(model, self.schedule, balance, cutting or Cutting(), zero)
+        self.meta_model, self.whole = self.cut.meta_model, self.cut.whole  # whole: a model cut by its units
+        self.balance, self.ranges = self.cut.balance, self.cut.ranges
         self.ticks = action_ticks(self.schedule)
         self.number = next(_numbers)
         self.id = f"pipe{self.number}"
@@ -148,7 +156,8 @@ class Pipeline(GatheredModel):
             check_nccl(self.schedule)  # the torch transport matches messages in order, as NCCL does
             self.cluster.run(pairs.connect, self.id, mesh)  # every rank: making groups is collective
         pipedream_lr = lr if self.schedule.name == "pipedream" else None
-        self.cluster.run_each(on_ranks.setup, {r: (self._spec(r, model, optimizer, pipedream_lr),) for r in self.ranks})
+        self.cut.check_tp_plan(tp_plan)
+        self.cluster.run_each(on_ranks.setup, {r: (self._spec(r, self.cut.model, optimizer, pipedream_lr),) for r in self.ranks})
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -168,9 +177,9 @@ class Pipeline(GatheredModel):
         coords = self.mesh.coords(rank)
         pipeline_rank = coords["pp"]
         layers = {s: self.ranges[s] for s in self.schedule.stages_of(pipeline_rank)}
-        if isinstance(model, nn.Module):
+        if isinstance(model, nn.Sequential):
             model = {s: nn.Sequential(*list(model)[a:b]) for s, (a, b) in layers.items()}
-        else:
+        elif not isinstance(model, nn.Module):
             model = portable(model)
         return StageSpec(
             name=self.id, number=self.number, mesh=self.mesh.name, replicas=self.replicas,
@@ -179,10 +188,16 @@ class Pipeline(GatheredModel):
             stages=self.schedule.stages, microbatches=self.schedule.microbatches, layers=layers, model=model,
             transport=self.transport, optimizer=portable(optimizer), pipedream_lr=pipedream_lr,
             tp_plan=None if self.tp_plan is None else {s: self.tp_plan[s] for s in layers}, zero=self.zero,
+            units=None if self.whole is None else tuple(self.cut.units),
+            tied=tuple(tuple(g) for g in self.cut.tied), sync_batchnorm=self.cut.cutting.sync_batchnorm,
         )
 
-    def message_shapes(self, inputs: torch.Tensor) -> dict:
-        """stage -> (shape, dtype) of its output for one micro-batch, found on the meta device (no compute)."""
+    def message_shapes(self, inputs) -> dict:
+        """stage -> (shape, dtype) of its output for one micro-batch, found on the meta device (no compute); for a
+        model cut by its units, by running the kernel's copy once on one micro-batch, which also proves the cuts
+        (pipeline_parallel/split.py)."""
+        if self.whole is not None:
+            return self.cut.message_shapes(inputs, self.replicas * self.schedule.microbatches)
         key = (tuple(inputs.shape), inputs.dtype)
         if key not in self._shapes:
             per_microbatch = inputs.shape[0] // (self.replicas * self.schedule.microbatches)
@@ -198,6 +213,11 @@ class Pipeline(GatheredModel):
 
     def _check_batch(self, inputs, targets, loss_fn) -> None:
         check_batch(inputs, targets, self.replicas, self.schedule.microbatches)
+        if loss_fn is None and self.whole is None:
+            raise DistUsageError("loss_fn=None trains on the loss the model's output carries, but a Sequential's "
+                                 "output is a tensor: give loss_fn(output, targets)")
+        if self.whole is None and not isinstance(inputs, torch.Tensor):
+            raise DistUsageError(f"a Sequential's pipeline takes its inputs as one tensor, got {type(inputs).__name__}")
         check_step_inputs(self.meta_model, inputs, loss_fn)
 
     # -- the interface a step's driver uses (step() here, the Stepper) ----------------------------------------------
@@ -215,14 +235,16 @@ class Pipeline(GatheredModel):
         self.cluster.check_fresh(self.mesh.generation, f"pipeline {self.id}")
         self._check_batch(inputs, targets, loss_fn)
         shapes = self.message_shapes(inputs)
-        inputs_of, targets_of = inputs.chunk(self.replicas), targets.chunk(self.replicas)
+        inputs_of = batches.split(inputs, self.replicas)
+        targets_of = targets.chunk(self.replicas) if targets is not None else [None] * self.replicas
         last = self.schedule.rank_of(self.schedule.stages - 1)
         loss_fn = portable(loss_fn)
         args = {}
         for ranks in self.pipelines:
             replica = self.mesh.coords(ranks[0]).get("dp", 0)  # the tp slices of a replica get the same share
             for pipeline_rank, rank in enumerate(ranks):
-                x = inputs_of[replica] if pipeline_rank == 0 else None
+                # a pruned stage runs the model's forward from the top: every stage takes the inputs
+                x = inputs_of[replica] if pipeline_rank == 0 or self.whole is not None else None
                 y = targets_of[replica] if pipeline_rank == last else None
                 args[rank] = (self.id, shapes, x, y, loss_fn, *extra)
         return args
@@ -277,8 +299,8 @@ class Pipeline(GatheredModel):
 
     # -- running ------------------------------------------------------------------------------------------------
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, timeout: float | None = None,
-             memory: bool = False):
+    def step(self, inputs, targets: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             timeout: float | None = None, memory: bool = False):
         """One training step (forward and backward of every micro-batch on every replica, gradients averaged over
         the replicas, then the optimizer if given) at full speed; returns the loss of the whole batch, and keeps
         the measured timeline in `.timeline`. `memory=True` also measures the bytes each rank holds
@@ -380,7 +402,7 @@ class Pipeline(GatheredModel):
             recent.append(current)
         return recent
 
-    def stepper(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable):
+    def stepper(self, inputs, targets: torch.Tensor | None = None, loss_fn: Callable | None = None):
         """Run the next step tick by tick (see pipeline_parallel/stepper.py)."""
         from nbdist.pipeline_parallel.stepper import Stepper
 
@@ -395,6 +417,8 @@ class Pipeline(GatheredModel):
         first = [ranks for ranks in self.pipelines if self.mesh.coords(ranks[0]).get("dp", 0) == 0 or self.zero >= 2]
         per_rank = self.cluster.run(on_ranks.parameters, self.id, grads, ranks=sorted(r for g in first for r in g))
         per_rank = [tensors for tensors in per_rank if tensors is not None]  # a tp slice gathers, its first keeps
+        if self.whole is not None:  # pruned stages hold the model's own names (under "model.")
+            return self.cut.gathered(per_rank, grads)
         out = {
             unsplit_key(self.ranges[stage][0], key): value
             for stage_tensors in per_rank

@@ -12,28 +12,37 @@ from nbdist.errors import DistUsageError
 
 
 def check_batch(inputs, targets, replicas: int, microbatches: int) -> None:
-    """One line unless `inputs` and `targets` are tensors of one global batch that splits into `replicas` equal
-    shares of `microbatches` equal micro-batches (a Pipeline's and a Sharded model's steps take such a batch)."""
+    """One line unless `inputs` (a tensor, a tuple or a dict of tensors: what the model takes) and `targets` (a
+    tensor, or None when the model's output carries its loss) are one global batch that splits into `replicas`
+    equal shares of `microbatches` equal micro-batches (a Pipeline's and a Sharded model's steps take such a
+    batch)."""
+    from nbdist.models import batches
+
     parts = replicas * microbatches
     split = f"{replicas} replicas × {microbatches}" if replicas > 1 else str(parts)
-    for name, t in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise DistUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape[0] % parts:
-            raise DistUsageError(f"batch of {t.shape[0]} {name} does not split into {split} equal micro-batches")
-    if inputs.shape[0] != targets.shape[0]:
-        raise DistUsageError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
+    given = {"inputs": batches.check(inputs, "inputs")}
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor):
+            raise DistUsageError(f"targets must be a torch.Tensor (or None with loss_fn=None), got "
+                                 f"{type(targets).__name__}")
+        given["targets"] = batches.check(targets, "targets")
+    for name, n in given.items():
+        if n % parts:
+            raise DistUsageError(f"batch of {n} {name} does not split into {split} equal micro-batches")
+    if len(set(given.values())) > 1:
+        raise DistUsageError(f"{given['inputs']} inputs but {given['targets']} targets")
 
 
-def check_step_inputs(model: nn.Module, inputs: torch.Tensor, loss_fn) -> None:
+def check_step_inputs(model: nn.Module, inputs, loss_fn) -> None:
     """One line, before a step reaches the ranks, for inputs the model's first layer cannot take (dtype, width,
     ids against features: read from the kernel's copy of the model, meta or not, without running it) and a loss
-    function that cannot be called as loss_fn(output, target)."""
+    function that cannot be called as loss_fn(output, target) (None: the output's own loss)."""
     from nbdist.checks import check_functions
     from nbdist.models.inputs import sample_mismatch
 
-    check_functions(loss_fn=loss_fn)
-    if inputs.dim() and inputs.shape[0]:
+    if loss_fn is not None:
+        check_functions(loss_fn=loss_fn)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() and inputs.shape[0]:
         problem = sample_mismatch(model, inputs[0], "the batch", autocast=False)
         if problem:
             raise DistUsageError(problem)

@@ -33,12 +33,20 @@ class StageSpec:
     stages: int  # model pieces: pipeline ranks x chunks
     microbatches: int  # per replica and step
     layers: dict[int, tuple[int, int]]  # this rank's stages -> (first layer, end layer) of the unsplit model
-    model: Any  # bytes: the cloudpickled function that builds the whole model; or {stage: module}
+    model: Any  # bytes: the cloudpickled function that builds the whole model; {stage: module}; or the whole model
     transport: str  # "mpi" (CPU tensors over MPI) or "torch" (torch.distributed): resolved in the kernel
     optimizer: bytes | None = None  # cloudpickled `params -> torch.optim.Optimizer`
     pipedream_lr: float | None = None  # PipeDream's per-micro-batch SGD step (None: a synchronous schedule)
     tp_plan: dict[int, dict[str, str]] | None = None  # this rank's stages -> Linear name -> "colwise" | "rowwise"
     zero: int = 0  # ZeRO stage over the stage's replicas: 1 its optimizer state, 2 its gradients too, 3 its weights
+    units: tuple[str, ...] | None = None  # a model cut by its units (not a Sequential): their names, in call order;
+    # `layers` then holds unit ranges and each stage is a pruned copy of the model (pipeline_parallel/split.py)
+    tied: tuple[tuple[str, ...], ...] = ()  # parameter names that share one tensor (kept equal across stages)
+    sync_batchnorm: bool = False  # BatchNorm layers made nbdist's SyncBatchNorm over the dp group
+
+    @property
+    def pruned(self) -> bool:
+        return self.units is not None
 
     @property
     def first_stage(self) -> bool:

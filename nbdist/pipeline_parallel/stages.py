@@ -12,8 +12,10 @@ from nbdist.checks import is_whole
 from nbdist.errors import DistUsageError
 
 
-def layer_counts(sizes: Sequence[int], pieces: int, balance: Sequence[int] | None = None) -> list[int]:
-    """Layers per stage: `balance` checked, or the min-max split of `sizes` (parameters per layer)."""
+def layer_counts(sizes: Sequence[int], pieces: int, balance: Sequence[int] | None = None,
+                 starts: set[int] | None = None) -> list[int]:
+    """Layers per stage: `balance` checked, or the min-max split of `sizes` (parameters per layer) in which a stage
+    begins only at a position in `starts` (default: anywhere)."""
     layers = len(sizes)
     if pieces > layers:
         raise DistUsageError(f"the model has {layers} layers, fewer than the {pieces} stages asked for")
@@ -26,11 +28,12 @@ def layer_counts(sizes: Sequence[int], pieces: int, balance: Sequence[int] | Non
         if sum(balance) != layers:
             raise DistUsageError(f"balance {balance} sums to {sum(balance)}, but the model has {layers} layers")
         return balance
-    return _min_max_split(list(sizes), pieces)
+    return _min_max_split(list(sizes), pieces, starts)
 
 
-def _min_max_split(sizes: list[int], pieces: int) -> list[int]:
-    """Contiguous split of `sizes` into `pieces` non-empty runs minimising the largest run's sum."""
+def _min_max_split(sizes: list[int], pieces: int, starts: set[int] | None = None) -> list[int]:
+    """Contiguous split of `sizes` into `pieces` non-empty runs minimising the largest run's sum, runs beginning
+    only at positions in `starts` (and 0). One line when no such split exists."""
     n = len(sizes)
     prefix = [0]
     for s in sizes:
@@ -43,10 +46,15 @@ def _min_max_split(sizes: list[int], pieces: int) -> list[int]:
     for k in range(1, pieces + 1):
         for i in range(k, n - (pieces - k) + 1):
             for j in range(k - 1, i):
+                if j and starts is not None and j not in starts:
+                    continue
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
                 # ties go to the later cut, so parameter-free layers join the earlier stage
                 if cost < best[k][i] or (cost == best[k][i] and j > cut[k][i]):
                     best[k][i], cut[k][i] = cost, j
+    if best[pieces][n] == inf:
+        raise DistUsageError(f"the model cannot be cut into {pieces} stages where each cut is on its main path "
+                             f"(only before {sorted(starts or ())}): use fewer stages or give split_points")
     counts, i = [], n
     for k in range(pieces, 0, -1):
         counts.append(i - cut[k][i])

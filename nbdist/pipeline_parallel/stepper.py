@@ -49,7 +49,7 @@ class Stepper:
         target = min(self.tick + k, self.total_ticks)
         publish_every, progress = self._live(target)
         # every rank, also one whose list is done: each call starts with a barrier of all the pipeline's ranks
-        args = {r: (self.pipe.id, target, publish_every) for r in self.pipe.ranks}
+        args = {r: (self.pipe.id, target, publish_every, target == self.total_ticks) for r in self.pipe.ranks}
         for report in self.pipe.cluster.run_each(on_ranks.advance, args, progress=progress):
             self._reports[report["rank"]] = report
         self.tick = target

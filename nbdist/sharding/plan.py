@@ -29,9 +29,10 @@ from nbdist.layout import Layout
 from nbdist.sharding.memory import RankMemory, predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input, with_times
 from nbdist.sharding.ranks import timing
-from nbdist.sharding.shape import check_shape, micro_batch_size
+from nbdist.sharding.reading import BatchNormWarning, ModelChoices, ModelReading  # noqa: F401 - BatchNormWarning: public
+from nbdist.sharding.shape import micro_batch_size
 from nbdist.sharding.step_time import Overheads, StepTime, default_alpha_beta, predict_step_seconds
-from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.tensor_parallel.plans import kinds
 from nbdist.wire import portable
 
 _measured_links: dict[tuple, object] = {}  # (cluster, its start, mesh, dimension) -> AlphaBeta, measured once
@@ -41,15 +42,23 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's 
 
 def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1, tp: int = 1, zero: int = 0,
           microbatches: int = 1, schedule: str = "1f1b", *, chunks: int = 1, batch: int | None = None,
-          balance: list[int] | None = None,
+          balance: list[int] | None = None, split_points: list[str] | None = None, example_input=None,
+          tp_plan: dict | str | None = None, sync_batchnorm: bool = False,
           optimizer: str = "adam", hook: str = "auto", bucket_cap_mb: float | None = None,
           cluster: Cluster | None = None) -> "Plan":
     """A plan of `model_fn`'s model over the running cluster (see the module docstring): a Layout
-    (`shard(model_fn, Layout(dp=2, tp=2))`) or its choices as keywords (`shard(model_fn, dp=2, tp=2)`). `batch` is
-    the global batch the memory prediction assumes (default: 8 samples per micro-batch); `optimizer` the kind it
-    assumes ("adam", "sgd", "sgd-momentum"); `hook` and `bucket_cap_mb` go to DDP; `chunks` model pieces per
-    pipeline rank (interleaved-1f1b needs 2 or more); `balance` layers per piece (default: balanced by
-    parameters)."""
+    (`shard(model_fn, Layout(dp=2, tp=2))`) or its choices as keywords (`shard(model_fn, dp=2, tp=2)`). `model_fn`
+    builds any nn.Module (an nn.Sequential is cut between its items; any other model between its units:
+    nbdist/models/structure.py). `batch` is the global batch the memory prediction assumes (default: 8 samples
+    per micro-batch); `optimizer` the kind it assumes ("adam", "sgd", "sgd-momentum"); `hook` and `bucket_cap_mb`
+    go to DDP; `chunks` model pieces per pipeline rank (interleaved-1f1b needs 2 or more); `balance` layers (units)
+    per piece, or `split_points` the module names that begin each later piece (default: balanced by parameters).
+    `example_input`: a few samples of what the model takes (a tensor, a tuple, or a dict for model(**batch)), which
+    the profile runs; needed for any model but nbdist's own. `tp_plan`: with tp > 1, {module name: "colwise" |
+    "rowwise" | a torch ParallelStyle} (Hugging Face wildcards such as "model.layers.*.mlp.up_proj" allowed) or
+    "auto" (the plan the model's Hugging Face config carries); nbdist's own models pair their Linears themselves.
+    `sync_batchnorm`: BatchNorm statistics over every replica's share (nbdist's SyncBatchNorm, CPU or GPU), so dp
+    trains as one process."""
     if isinstance(dp, Layout):
         given = dict(pp=pp, tp=tp, zero=zero, microbatches=microbatches, schedule=schedule, chunks=chunks,
                      balance=balance)
@@ -59,15 +68,16 @@ def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1
         layout = dp
         dp, pp, tp, zero = layout.dp, layout.pp, layout.tp, layout.zero
         microbatches, schedule, chunks, balance = layout.microbatches, layout.schedule, layout.chunks, layout.balance
+    model = ModelChoices(split_points, example_input, tp_plan, bool(sync_batchnorm))
     return Plan(model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
-                bucket_cap_mb, cluster or current())
+                bucket_cap_mb, cluster or current(), model)
 
 
 class Plan:
     """A checked plan: its shape, the model's profile, and predictions per rank."""
 
     def __init__(self, model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
-                 bucket_cap_mb, cluster: Cluster):
+                 bucket_cap_mb, cluster: Cluster, choices: ModelChoices | None = None):
         for label, value in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", microbatches)):
             whole_number(value, label)
         if not callable(model_fn):
@@ -83,12 +93,13 @@ class Plan:
                                  f"{cluster.world_size} ranks{gpus}: the product must be the world size")
         self.schedule = self._schedule(schedule)
         self._refuse_unsupported()
-        self.model = _build(model_fn)
         self.batch = batch or 8 * dp * microbatches
-        self.boundaries = self._boundaries()
-        check_shape(self.model, dp=dp, pp=pp, tp=tp, zero=zero, microbatches=microbatches,
-                            batch=self.batch, boundaries=self.boundaries)
-        self.layers = profile_layers(self.model, sample_input(self.model), tp)
+        read = self.reading = ModelReading(model_fn, self.layout, self.batch, choices or ModelChoices())
+        self.choices, self.model, self.flat, self.example = read.choices, read.model, read.flat, read.example
+        self.units, self.tied, self.tp_styles, self.boundaries = read.units, read.tied, read.tp_styles, read.boundaries
+        self.batchnorm_note = read.batchnorm_note
+        self.layers = profile_layers(self.model, sample_input(self.model, example=self.example), tp,
+                                     kinds(self.tp_styles), self.units)
         self.overheads: Overheads | None = None  # measured by profile()
         self.links: dict = {}  # measured by profile(): dimension -> the α-β of an all-reduce on its groups
 
@@ -119,16 +130,6 @@ class Plan:
         one_of(name, SCHEDULES, "schedule")
         return build(name, self.pp, self.microbatches, self.chunks)
 
-    def _boundaries(self) -> list[tuple[int, int]] | None:
-        if self.pp == 1:
-            return None
-        from nbdist.pipeline_parallel.stages import boundaries, layer_counts, parameter_sizes
-
-        pieces = self.pp * self.chunks
-        if pieces > len(self.model):
-            raise DistUsageError(f"the model has {len(self.model)} layers, fewer than pp × chunks = {pieces} stages")
-        return boundaries(layer_counts(parameter_sizes(self.model), pieces, self.balance))
-
     # -- what it will cost ----------------------------------------------------------------------------------------
 
     def predicted_memory(self) -> list[RankMemory]:
@@ -142,7 +143,8 @@ class Plan:
         at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
         whole_number(repeats, "repeats")
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
-        times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats, ranks=[0])[0]
+        times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats,
+                                 example=self.example, units=None if self.flat else self.units, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
         self.links = self._measure_links()
         self.overheads = self._measure_overheads()
@@ -182,10 +184,11 @@ class Plan:
         dims = {d: n for d, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if n > 1}
         mesh = self.cluster.mesh(**(dims or {"dp": self.cluster.world_size}))
         shapes = [p.shape for layer in self.layers for p in layer.tensors]  # the optimizer timed on the model's
+        own = self.flat and not self.choices.tp_plan  # the model's own layers timed (a Sequential's), else the probe
         costs = self.cluster.run(timing.mechanism_costs, mesh.name, self.tp, self.zero, self.optimizer_kind,
-                                 shapes=shapes, model_fn=portable(self.model_fn),
+                                 shapes=shapes, model_fn=portable(self.model_fn) if own else None,
                                  size=micro_batch_size(self.batch, self.dp, self.microbatches),
-                                 split=tp_plan(self.model) if self.tp > 1 else None)
+                                 split=kinds(self.tp_styles) if self.tp > 1 and own else None)
         return Overheads(
             tp_linear=self._tp_linear(costs),
             fsdp_unit=self._fsdp_unit(costs),
@@ -200,6 +203,8 @@ class Plan:
         all-reduces as the prediction prices them (on the tp link), over its split Linears; the slowest rank's."""
         if self.tp == 1:
             return 0.0, 0.0
+        if "tp_layer" not in costs[0]:  # the probe's pair timed (a model not nbdist's own)
+            return tuple(max(c["tp_linear"][i] for c in costs) for i in (0, 1))
         layer = self.layers[costs[0]["tp_layer"]["index"]]
         linears = len(layer.tp_allreduce_bytes_per_sample) or 1
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
@@ -215,6 +220,8 @@ class Plan:
         prediction prices them (step_time._dp_sync, on the dp link); the slowest rank's."""
         if self.zero < 2:
             return 0.0, 0.0
+        if "fsdp_layer" not in costs[0]:  # the probe's unit timed (a model not nbdist's own)
+            return tuple(max(c["fsdp_unit"][i] for c in costs) for i in (0, 1))
         layer = self.layers[costs[0]["fsdp_layer"]["index"]]
         link = self.links.get("dp") or default_alpha_beta()
         moved = link.gather(sum(p.numel(self.tp) for p in layer.tensors) * 4, self.dp)
@@ -265,10 +272,13 @@ class Plan:
         return rows
 
     def _layers_of(self, pipeline_rank: int) -> str:
-        if self.boundaries is None:
-            return f"0..{len(self.model) - 1}"
-        stages = self.schedule.stages_of(pipeline_rank)
-        return ", ".join(f"{self.boundaries[s][0]}..{self.boundaries[s][1] - 1}" for s in stages)
+        """'0..3' (a Sequential's items), or the first and last unit of any other model ('model.embed_tokens ..
+        model.layers.1')."""
+        ranges = [(0, len(self.units))] if self.boundaries is None else [
+            self.boundaries[s] for s in self.schedule.stages_of(pipeline_rank)]
+        if self.flat:
+            return ", ".join(f"{a}..{b - 1}" for a, b in ranges)
+        return ", ".join(self.units[a] if b - a == 1 else f"{self.units[a]} .. {self.units[b - 1]}" for a, b in ranges)
 
     def describe(self) -> str:
         """The plan in one line."""
@@ -313,7 +323,12 @@ class Plan:
         if unknown:
             raise DistUsageError(f"unknown plan setting(s) {', '.join(unknown)}: choose from {', '.join(current)}")
         merged = {**current, **settings}
-        plan = shard(self.model_fn, hook=self.hook, bucket_cap_mb=self.bucket_cap_mb, cluster=self.cluster, **merged)
+        c = self.choices
+        if "pp" in settings or "chunks" in settings or "balance" in settings:
+            c = replace(c, split_points=None)  # the split points were for the old stages
+        plan = shard(self.model_fn, hook=self.hook, bucket_cap_mb=self.bucket_cap_mb, cluster=self.cluster,
+                     split_points=c.split_points, example_input=c.example_input,
+                     tp_plan=c.tp_plan if merged["tp"] > 1 else None, sync_batchnorm=c.sync_batchnorm, **merged)
         if self.layers[0].forward_s is not None:  # layers are timed whole; the prediction divides by tp
             plan.layers = with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
             same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
@@ -352,12 +367,24 @@ class Plan:
             mesh = self.cluster.mesh(pp=self.pp, dp=self.dp, tp=self.tp)
             built = pipeline(self.model_fn, schedule=self.schedule, microbatches=self.microbatches,
                              chunks=self.chunks, mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
-                             balance=[b - a for a, b in self.boundaries], tp_plan=self._tp_plans(), zero=self.zero)
+                             balance=[b - a for a, b in self.boundaries] if self.flat else None,
+                             tp_plan=self._tp_plans(), zero=self.zero,
+                             example_input=self.example, split_points=None if self.flat else [
+                                 self.units[a] for a, _ in self.boundaries[1:]], sync_batchnorm=self.choices.sync_batchnorm)
             built.plan = self  # side_by_side() compares against this plan
             return built
         from nbdist.sharding.sharded import Sharded
 
         return Sharded(self, optimizer_fn)
+
+    def check_equal(self, inputs, targets=None, loss_fn=None, steps: int = 3, optimizer_fn=None,
+                    atol: float = 1e-5):
+        """Build this plan, train `steps` steps on one batch and compare its losses and gathered weights with one
+        process doing the same (sharding/equality.py); returns an Equality (True when equal, its repr says the
+        largest difference and where). `inputs`: what the model takes; `loss_fn=None`: the output's own loss."""
+        from nbdist.sharding.equality import check_equal
+
+        return check_equal(self, inputs, targets, loss_fn, steps, optimizer_fn, atol)
 
     def check_fits(self) -> None:
         """Refuse, before anything is allocated, a plan whose predicted bytes on some rank (model states and the
@@ -377,13 +404,22 @@ class Plan:
                  f"this plan (predicted: {self.optimizer_kind} model states and the activations of a global batch "
                  f"of {self.batch})")
 
-    def _tp_plans(self) -> dict[int, dict[str, str]] | None:
-        """Per stage, the tensor-parallel plan of that stage's module (names local to the stage)."""
+    def _tp_plans(self) -> dict[int, dict] | None:
+        """Per stage, the tensor-parallel plan of that stage's module: a Sequential's slice numbers its layers from
+        0; a pruned stage holds the model as `model` (pipeline_parallel/split.py)."""
         if self.tp == 1:
             return None
-        plans = {}
-        for stage, (a, b) in enumerate(self.boundaries):
-            plans[stage] = tp_plan(nn.Sequential(*list(self.model)[a:b]))
+        from nbdist.models.structure import unit_of
+
+        plans: dict[int, dict] = {s: {} for s in range(len(self.boundaries))}
+        for name, style in self.tp_styles.items():
+            index = unit_of(self.units, name)
+            stage = next(s for s, (a, b) in enumerate(self.boundaries) if a <= index < b)
+            if self.flat:
+                first, _, rest = name.partition(".")
+                plans[stage][f"{int(first) - self.boundaries[stage][0]}" + (f".{rest}" if rest else "")] = style
+            else:
+                plans[stage][f"model.{name}"] = style
         return plans
 
 
@@ -391,18 +427,6 @@ def _slowest_added(costs: list[dict], key: str, timed: str, base: str) -> tuple[
     """Per direction (forward, backward), the most any rank's `costs[key][timed]` took over its `costs[key][base]`:
     a step waits for its slowest rank."""
     return tuple(max(c[key][timed][i] - c[key][base][i] for c in costs) for i in (0, 1))
-
-
-def _build(model_fn) -> nn.Sequential:
-    """The model, built once in the kernel on CPU to profile it; one clear line when that fails."""
-    try:
-        model = model_fn()
-    except Exception as e:  # noqa: BLE001 - the user's function: say what it raised, in one line
-        raise DistUsageError(f"model_fn raised {type(e).__name__}: {e}") from None
-    if not isinstance(model, nn.Sequential):
-        raise DistUsageError(f"model_fn must return an nn.Sequential (e.g. nbdist.models.gpt() or an MLP), got "
-                             f"{type(model).__name__}")
-    return model
 
 
 def _checked_ddp_choices(optimizer: str, hook: str, bucket_cap_mb) -> tuple[str, str, float | None]:

@@ -19,7 +19,11 @@ import torch
 from torch import nn
 
 from nbdist.errors import DistUsageError
-from nbdist.tensor_parallel.pairs import check_tp, tp_pairs, tp_plan
+from nbdist.models import batches
+from nbdist.models.batches import first_tensor
+from nbdist.models.structure import failed_on_example, is_flat, owned_parameters, quietly, unit_names, unit_of
+from nbdist.tensor_parallel.pairs import check_tp, tp_plan
+from nbdist.tensor_parallel.plans import HEAD_FIELDS
 
 
 @dataclass(frozen=True)
@@ -84,29 +88,36 @@ def _divided(whole: float, split: float, tp: int) -> float:
     return whole - split + split / tp
 
 
-def profile_layers(model: nn.Sequential, sample_input: torch.Tensor, tp: int = 1) -> list[LayerProfile]:
-    """Profile each top-level layer with one forward of `sample_input` (a small batch) in this process.
+def profile_layers(model: nn.Module, sample_input, tp: int = 1, plan: dict[str, str] | None = None,
+                   units: Sequence[str] | None = None) -> list[LayerProfile]:
+    """Profile each unit (a Sequential's items; any other model's units, nbdist/models/structure.py) with one forward
+    of `sample_input` (a small batch: a tensor, a tuple or a dict of tensors) in this process.
 
-    The tensor-parallel part of the saved bytes is measured, not assumed: the model is rebuilt with its pairs
+    `plan`: the tensor-parallel plan (name -> "colwise" / "rowwise"); a Sequential's own pairs when None. The
+    tensor-parallel part of the saved bytes is measured, not assumed: the model is rebuilt with its split Linears
     sliced (column layers keep out_features / t, row layers in_features / t) and counted again; whole = R + S,
     sliced = R + S / t gives S. t is `tp`, or with tp=1 the smallest split the model allows, so a profile serves
     every tp (the sliced sizes are linear in 1/t). A model on the meta device is materialised on CPU first.
     """
-    if tp > 1:
+    flat = is_flat(model)
+    if plan is None:
+        plan = tp_plan(model) if flat else {}
+    if tp > 1 and flat:
         check_tp(model, tp)
+    units = list(units) if units is not None else unit_names(model)
     model, x = runnable(model, sample_input)
-    batch = x.shape[0]
-    whole = _saved_bytes(model, x)
-    t = tp if tp > 1 else _smallest_split(model)
-    sliced = _saved_bytes(_tp_sliced(model, t), x) if t > 1 else whole
-    split = (lambda a, b: (a - b) * t / (t - 1)) if t > 1 else (lambda a, b: 0.0)
-    allreduces = _allreduces_per_layer(model, whole["io"])
-    shapes = _param_shapes(model)
+    batch = batches.check(x, "the example input")
+    whole = _profiled_forward(model, x, units, plan)
+    t = tp if tp > 1 else _smallest_split(model, plan)
+    sliced = _sliced_bytes(model, x, units, plan, t) if t > 1 else whole
+    split = (lambda a, b: (a - b) * t / (t - 1)) if sliced is not whole else (lambda a, b: 0.0)
+    allreduces = _allreduces_per_layer(units, plan, whole["io"])
+    shapes = _param_shapes(model, units, plan)
     profiles = []
-    for i, (name, layer) in enumerate(model.named_children()):
+    for i, name in enumerate(units):
         tensors = shapes[i]
         profiles.append(LayerProfile(
-            name=name, kind=type(layer).__name__, params=sum(p.numel() for p in tensors),
+            name=name, kind=type(model.get_submodule(name)).__name__, params=sum(p.numel() for p in tensors),
             tp_params=sum(p.numel() for p in tensors if p.tp_dim is not None), tensors=tensors,
             activation_bytes_per_sample=whole["own"][i] / batch,
             activation_split_bytes_per_sample=split(whole["own"][i], sliced["own"][i]) / batch,
@@ -118,23 +129,30 @@ def profile_layers(model: nn.Sequential, sample_input: torch.Tensor, tp: int = 1
     return profiles
 
 
-def runnable(model: nn.Sequential, x: torch.Tensor) -> tuple[nn.Sequential, torch.Tensor]:
+def runnable(model: nn.Module, x) -> tuple[nn.Module, object]:
     """The model and input in real memory: a meta model is copied to real (uninitialised) storage; sizes are all
     the profile reads from it."""
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model = copy.deepcopy(model).to_empty(device="cpu")
     # its own storage: a view of a larger batch (x[:2]) would count the whole batch as the layer's saved input
-    x = torch.zeros(x.shape, dtype=x.dtype) if x.is_meta else x.clone()
+    x = batches.apply(x, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.clone())
     return model, x
 
 
-def _param_shapes(model: nn.Sequential) -> list[tuple[ParamShape, ...]]:
+def _param_shapes(model: nn.Module, units: list[str], plan: dict[str, str]) -> list[tuple[ParamShape, ...]]:
+    """Per unit, the parameters it owns (a tied weight once, in the first unit that uses it) and the dimension
+    tensor parallelism splits."""
     split = {}
-    for column, row in tp_pairs(model):
-        split[f"{column}.weight"] = split[f"{column}.bias"] = 0
-        split[f"{row}.weight"] = 1
-    return [tuple(ParamShape(f"{name}.{p}", tuple(t.shape), split.get(f"{name}.{p}"))
-                  for p, t in layer.named_parameters()) for name, layer in model.named_children()]
+    for name, kind in plan.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Embedding):  # torch's colwise splits the embedding dimension, rowwise the rows
+            split[f"{name}.weight"] = 1 if kind == "colwise" else 0
+        else:
+            split[f"{name}.weight"] = 0 if kind == "colwise" else 1
+            if kind == "colwise":
+                split[f"{name}.bias"] = 0
+    owned = owned_parameters(model, units)
+    return [tuple(ParamShape(name, tuple(p.shape), split.get(name)) for name, p in owned[unit]) for unit in units]
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -142,11 +160,12 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _saved_bytes(model: nn.Sequential, x: torch.Tensor) -> dict:
-    """One forward of `model` (kept alive until counted): per top-level layer the bytes of storages it saves for
-    backward that no earlier layer saved ("own") and that one did ("again"), its output's bytes, and per split
-    Linear its input and output bytes ("io")."""
-    n = len(model)
+def _saved_bytes(model: nn.Module, x, units: list[str], plan: dict[str, str]) -> dict:
+    """One forward of `model` (kept alive until counted): per unit the bytes of storages it saves for backward
+    that no earlier unit saved ("own") and that one did ("again"), its output's bytes, and per split Linear its
+    input and output bytes ("io"). What the model's own forward computes between units (a mask, the loss after
+    the head) counts in the unit that ran last."""
+    n = len(units)
     out = {"own": [0] * n, "again": [0] * n, "output": [0] * n, "io": {}}
     owner: dict[int, int] = {}
     counted: set[tuple[int, int]] = set()
@@ -161,15 +180,17 @@ def _saved_bytes(model: nn.Sequential, x: torch.Tensor) -> dict:
         return t.detach()  # a saved output kept with its grad_fn would be a cycle that keeps the graph alive
 
     hooks = []
-    for i, layer in enumerate(model):
+    for i, name in enumerate(units):
+        layer = model.get_submodule(name)
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, y, i=i: out["output"].__setitem__(i, _nbytes(y))))
-    for name in tp_plan(model):
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, y, i=i: out["output"].__setitem__(i, out["output"][i] or _nbytes(first_tensor(y)))))
+    for name in plan:
         hooks.append(model.get_submodule(name).register_forward_hook(
             lambda m, a, y, name=name: out["io"].__setitem__(name, (_nbytes(a[0]), _nbytes(y)))))
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = model(x)
+            result = batches.call(model, x)
         del result
     finally:
         for h in hooks:
@@ -177,45 +198,75 @@ def _saved_bytes(model: nn.Sequential, x: torch.Tensor) -> dict:
     return out
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _profiled_forward(model: nn.Module, x, units: list[str], plan: dict[str, str]) -> dict:
+    """_saved_bytes, or one line naming the unit the example input failed in and the way out."""
+    running: list[str] = []
+    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: running.append(name))
+             for name in units if name]
+    try:
+        with quietly():
+            return _saved_bytes(model, x, units, plan)
+    except Exception as e:  # noqa: BLE001 - the user's model on the user's input: say where, in one line
+        raise failed_on_example(model, x, running, e) from None
+    finally:
+        for h in hooks:
+            h.remove()
 
 
-def _allreduces_per_layer(model: nn.Sequential, io: dict) -> list[list[tuple[int, int]]]:
-    """Per top-level layer, its tensor-parallel all-reduces as (forward bytes, backward bytes), one entry each:
-    every row-parallel Linear all-reduces its output in forward (Megatron's g); every column-parallel Linear
-    all-reduces its input's gradient in backward (Megatron's f). Megatron fuses q, k and v into one column layer
-    (one f per attention); DTensor on separate q, k, v layers does three (counted on the ranks with CommDebugMode:
-    2 all-reduces per GPT block forward, 4 backward)."""
-    index = {name: i for i, (name, _) in enumerate(model.named_children())}
-    out: list[list[tuple[int, int]]] = [[] for _ in model]
-    rows = dict.fromkeys(row for _, row in tp_pairs(model))
-    columns = dict.fromkeys(column for column, _ in tp_pairs(model))
-    for row in rows:
-        out[index[row.split(".")[0]]].append((io[row][1], 0))
-    for column in columns:
-        out[index[column.split(".")[0]]].append((0, io[column][0]))
-    return out
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
-def _smallest_split(model: nn.Sequential) -> int:
-    """The smallest tp > 1 every pair's inner size (and the heads) divides; 1 if there is none."""
-    sizes = [model.get_submodule(c).out_features for c, _ in tp_pairs(model)]
-    sizes += [getattr(getattr(model, "config", None), "heads", None) or 0]
+def _allreduces_per_layer(units: list[str], plan: dict[str, str], io: dict) -> list[list[tuple[int, int]]]:
+    """Per unit, its tensor-parallel all-reduces as (forward bytes, backward bytes), one entry each: every
+    row-parallel Linear all-reduces its output in forward (Megatron's g); every column-parallel Linear all-reduces
+    its input's gradient in backward (Megatron's f). Megatron fuses q, k and v into one column layer (one f per
+    attention); DTensor on separate q, k, v layers does three (counted on the ranks with CommDebugMode: 2
+    all-reduces per GPT block forward, 4 backward). A split layer the forward never called makes none."""
+    out: list[list[tuple[int, int]]] = [[] for _ in units]
+    for name, kind in plan.items():
+        if name not in io:
+            continue
+        index = unit_of(units, name)
+        out[index].append((io[name][1], 0) if kind == "rowwise" else (0, io[name][0]))
+    # the order the flat models always had: row layers' forward all-reduces first, then the columns'
+    return [sorted(entries, key=lambda e: e[0] == 0) for entries in out]
+
+
+def _smallest_split(model: nn.Module, plan: dict[str, str]) -> int:
+    """The smallest tp > 1 every split layer's divided size (and the heads) divides; 1 if there is none."""
+    sizes = []
+    for name, kind in plan.items():
+        layer = model.get_submodule(name)
+        if isinstance(layer, nn.Linear):
+            sizes.append(layer.out_features if kind == "colwise" else layer.in_features)
+    if not sizes:
+        return 1
+    config = getattr(model, "config", None)
+    sizes += [v for f in HEAD_FIELDS if isinstance(v := getattr(config, f, None), int)]
     common = reduce(math.gcd, sizes, 0)
     return next((t for t in range(2, common + 1) if common % t == 0), 1)
 
 
-def _tp_sliced(model: nn.Sequential, tp: int) -> nn.Sequential:
+def _sliced_bytes(model: nn.Module, x, units: list[str], plan: dict[str, str], tp: int) -> dict:
+    """_saved_bytes of the model as one tensor-parallel rank of `tp` holds it; the whole model's where the sliced
+    copy does not run (a model whose forward reads a layer's full width from its config): tensor parallelism is
+    then taken to divide no saved bytes, an overestimate."""
+    try:
+        return _saved_bytes(_tp_sliced(model, tp, plan), x, units, plan)
+    except (RuntimeError, ValueError, IndexError):
+        return _saved_bytes(model, x, units, plan)
+
+
+def _tp_sliced(model: nn.Module, tp: int, plan: dict[str, str] | None = None) -> nn.Module:
     """A copy of `model` as one tensor-parallel rank holds it: column layers with out_features / tp, row layers with
     in_features / tp (the first slice of the weights)."""
-    plan = tp_plan(model)
-    pairs = {name: model.get_submodule(name) for name in plan}
+    plan = tp_plan(model) if plan is None else plan
+    pairs = {name: model.get_submodule(name) for name in plan if isinstance(model.get_submodule(name), nn.Linear)}
     # the pairs' layers are replaced below: copied as placeholders, not with their weights (a model's worth of them)
     sliced = copy.deepcopy(model, memo={id(layer): nn.Identity() for layer in pairs.values()})
-    for name, style in plan.items():
-        old = pairs[name]
-        rows, cols = (old.out_features // tp, old.in_features) if style == "colwise" else (
+    for name, old in pairs.items():
+        rows, cols = (old.out_features // tp, old.in_features) if plan[name] == "colwise" else (
             old.out_features, old.in_features // tp)
         new = nn.Linear(cols, rows, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
         with torch.no_grad():
@@ -227,16 +278,20 @@ def _tp_sliced(model: nn.Sequential, tp: int) -> nn.Sequential:
     return sliced
 
 
-def sample_input(model: nn.Sequential, size: int = 1) -> torch.Tensor:
-    """`size` samples of the model's input, filled deterministically: tokens below the vocabulary for the package's
-    transformer (it has a `config`), else normal features for the first Linear."""
+def sample_input(model: nn.Module, size: int = 1, example=None):
+    """`size` samples of the model's input: the user's example (its samples taken in turn), else, filled
+    deterministically, tokens below the vocabulary for the package's transformer (it has a `config`) or normal
+    features for the first Linear of a Sequential."""
+    if example is not None:
+        return batches.resized(example, size)
     config = getattr(model, "config", None)
     generator = torch.Generator().manual_seed(0)
-    if config is not None and hasattr(config, "seq"):
+    if config is not None and hasattr(config, "seq") and hasattr(config, "vocab"):
         return torch.randint(0, config.vocab, (size, config.seq), generator=generator)
-    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
-    if first is None:
-        raise DistUsageError("cannot tell the model's input: it is neither nbdist.models.gpt nor starts with a Linear")
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    if not is_flat(model) or not isinstance(first, nn.Linear):
+        raise DistUsageError(f"cannot tell what {type(model).__name__} takes as input: give example_input= (a batch "
+                             f"of a few samples, e.g. example_input=x[:2] or a dict of tensors for model(**batch))")
     return torch.randn(size, first.in_features, generator=generator)
 
 

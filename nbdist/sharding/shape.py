@@ -38,6 +38,17 @@ def check_shape(model: nn.Sequential, *, dp: int, pp: int, tp: int, zero: int, m
         _check_pairs_within_stages(model, ranges)
 
 
+def check_any_shape(units: Sequence[str], *, dp: int, pp: int, zero: int, microbatches: int, batch: int) -> None:
+    """check_shape for a model that is not nbdist's own Sequential (its tensor-parallel plan is checked where it
+    is read: tensor_parallel/plans.py)."""
+    for label, value in (("dp", dp), ("pp", pp), ("microbatches", microbatches), ("batch", batch)):
+        whole_number(value, label)
+    check_zero(zero)
+    if pp > len(units):
+        raise DistUsageError(f"pp={pp} needs at least {pp} units to cut into stages, but the model has {len(units)}")
+    micro_batch_size(batch, dp, microbatches)
+
+
 def _check_pairs_within_stages(model: nn.Sequential, ranges: list[tuple[int, int]]) -> None:
     """A column layer's output is split over the tp ranks until its row layer: no stage boundary may fall between."""
     names = [name for name, _ in model.named_children()]

@@ -18,7 +18,8 @@ from nbdist.pipeline_parallel.inputs import check_batch, check_step_inputs
 from nbdist.schedules.simulate import Timeline
 from nbdist.sharding.ranks import sharded as on_ranks
 from nbdist.sharding.spec import ShardSpec
-from nbdist.tensor_parallel.pairs import tp_plan
+from nbdist.models import batches
+from nbdist.models.structure import repeated_blocks
 from nbdist.wire import portable
 
 _numbers = itertools.count()
@@ -32,7 +33,9 @@ class Sharded(GatheredModel):
         ddp = {"hook": plan.hook} | ({"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {})
         spec = ShardSpec(self.id, self.mesh.name, plan.layout,
                          portable(plan.model_fn), portable(optimizer_fn),
-                         tp_plan(plan.model) if plan.tp > 1 else {}, ddp)
+                         dict(plan.tp_styles) if plan.tp > 1 else {}, ddp,
+                         blocks=None if plan.flat else tuple(repeated_blocks(plan.model)),
+                         sync_batchnorm=plan.choices.sync_batchnorm)
         problems = [line for line in self.cluster.run(on_ranks.setup, spec) if line]
         if problems:
             raise DistUsageError(problems[0])
@@ -41,14 +44,17 @@ class Sharded(GatheredModel):
         self.memory_results: list[dict] = []  # the last step run with memory=True
         self.loss: float | None = None
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, memory: bool = False,
-             timeout: float | None = None) -> float:
+    def step(self, inputs, targets: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             memory: bool = False, timeout: float | None = None) -> float:
         """One training step on the global batch; returns its loss (the mean over the replicas' micro-batches).
-        `memory=True` also measures the bytes each rank holds (see measured_memory)."""
+        `inputs`: what the model takes (a tensor, a tuple, or a dict for model(**inputs)); `loss_fn(output,
+        targets)`, or None for the loss the model's output carries (labels in `inputs`). `memory=True` also
+        measures the bytes each rank holds (see measured_memory)."""
         self.cluster.check_fresh(self.mesh.generation, f"sharded model {self.id}")
         check_batch(inputs, targets, self.plan.dp, self.plan.microbatches)
         check_step_inputs(self.plan.model, inputs, loss_fn)
-        xs, ys = inputs.chunk(self.plan.dp), targets.chunk(self.plan.dp)
+        xs = batches.split(inputs, self.plan.dp)
+        ys = targets.chunk(self.plan.dp) if targets is not None else [None] * self.plan.dp
         loss_fn = portable(loss_fn)
         args = {}
         for rank in range(self.cluster.world_size):

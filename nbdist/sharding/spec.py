@@ -20,5 +20,8 @@ class ShardSpec:
     # ZeroRedundancyOptimizer, 2 and 3: FSDP2; microbatches: gradient accumulation per replica and step
     model: bytes  # the cloudpickled function that builds the whole model
     optimizer: bytes | None  # cloudpickled `params -> torch.optim.Optimizer`, or None (gradients only)
-    tp_plan: dict[str, str] = field(default_factory=dict)  # qualified Linear name -> "colwise" | "rowwise"
+    tp_plan: dict = field(default_factory=dict)  # qualified module name -> "colwise" | "rowwise" | a ParallelStyle
     ddp: dict = field(default_factory=dict)  # DDP options: bucket_cap_mb, hook (a name in data_parallel/ranks/hooks.py)
+    blocks: tuple[str, ...] | None = None  # FSDP2's units of a model not nbdist's own (its repeated blocks); None:
+    # a Sequential's items
+    sync_batchnorm: bool = False  # BatchNorm layers made nbdist's SyncBatchNorm over the dp group

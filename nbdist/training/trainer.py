@@ -25,7 +25,7 @@ from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
 from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
-from nbdist.training import checkpoints, inputs
+from nbdist.training import checkpoints, inputs, samples
 from nbdist.training.history import History
 from nbdist.training.live import DashboardOnceSent, open_dashboard, shown
 from nbdist.training.pipeline_steps import PipelineSteps
@@ -94,6 +94,8 @@ class Trainer:
         if c.dir:
             c = self.checkpointing = replace(c, dir=checkpoints.writable(c.dir))  # one line if it cannot be
         self.id = f"train{next(_numbers)}"
+        self.loss_fn = loss_fn
+        self.example = samples.read(self.cluster, data_fn, "data_fn", loss_fn)  # two samples: the plan's profile
         self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else o.grad_accum
@@ -101,15 +103,17 @@ class Trainer:
             raise DistUsageError(f"batch_size {d.batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
         pipelined = self.plan is not None and self.plan.pp > 1
-        said = next(filter(None, self.cluster.run(on_ranks.prepare, d.seed, portable(optimizer_fn))), None)
+        prepared = self.cluster.run(rank_inputs.prepare, d.seed, portable(optimizer_fn))
+        said = next((p["problem"] for p in prepared if p["problem"]), None)
         if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
             raise DistUsageError(said)
+        samples.say_what_ssp_trains(o.sync, prepared[0]["optimizer"])
         self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
         try:
             self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
             evaluated = d.eval_data_fn if d.eval_every else None
-            pipeline = ({"shapes": self._pipeline_shapes(data_fn, loss_fn, d.batch_size, o.precision, evaluated)}
-                        if pipelined else {})
+            pipeline = ({"shapes": samples.pipeline_shapes(self, data_fn, loss_fn, d.batch_size, o.precision,
+                                                           evaluated)} if pipelined else {})
             whole = WholeReplicas(portable(model_fn), portable(optimizer_fn)) if self.plan is None else None
             self.spec = TrainSpec(
                 name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None,
@@ -143,10 +147,13 @@ class Trainer:
                 raise DistUsageError(f"sync={sync!r} trains whole replicas: give plan=None (or {{'dp': {world}}}), "
                                      "not tensor, pipeline or ZeRO sharding")
             return None
+        # a model that is not a Sequential is profiled on the data's own samples (where the plan gives none); a
+        # Sequential's input is made as before, so a sample it cannot take is said as the ranks say it
+        example = {} if samples.sequential(model_fn) else {"example_input": self.example[0]}
         if plan is None:
-            return shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster)
+            return shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster, **example)
         if isinstance(plan, dict):
-            return shard(model_fn, **{"microbatches": grad_accum, **plan}, cluster=self.cluster)
+            return shard(model_fn, **{"microbatches": grad_accum, **example, **plan}, cluster=self.cluster)
         if not isinstance(plan, Plan):
             raise DistUsageError(f"plan must be None, a Layout, a dict of nbdist.shard's choices or a Plan, got "
                                  f"{type(plan).__name__}")
@@ -154,40 +161,6 @@ class Trainer:
             raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "
                                  "it in one place")
         return plan
-
-    def _pipeline_shapes(self, data_fn, loss_fn, batch_size: int, precision: str, eval_data_fn=None) -> dict:
-        """Each pipeline stage's message shape for this batch, from one sample of the data set (read on rank 0).
-        Evaluation runs through the same stages with the same messages: its samples must be shaped alike. The
-        sample is checked against the model's first layer and the loss function on the stages' meta shapes here: a
-        pipeline's ranks cannot agree on a failed first step (the others wait for its messages)."""
-        import torch
-
-        (shape, dtype), target = self._sample(data_fn, "data_fn")
-        if eval_data_fn is not None:
-            eval_shape, eval_dtype = self._sample(eval_data_fn, "eval_data_fn")[0]
-            if (eval_shape, eval_dtype) != (shape, dtype):
-                raise DistUsageError(f"with pp > 1 the evaluation samples must be shaped like the training ones "
-                                     f"(the pipeline's messages are sized for them): {tuple(eval_shape)} "
-                                     f"{eval_dtype} vs {tuple(shape)} {dtype}")
-        label = rank_inputs.named(data_fn, "data_fn")
-        said = rank_inputs.sample_mismatch(self.plan.model, torch.empty(shape, dtype=dtype), label, precision != "fp32")
-        if said:
-            raise DistUsageError(said)
-        try:
-            shapes = self.model.message_shapes(torch.empty((batch_size, *shape), dtype=dtype))
-        except (RuntimeError, TypeError, ValueError, IndexError) as e:
-            raise DistUsageError(f"the model's layers do not take {label}'s inputs of {dtype} (one sample shaped "
-                                 f"{tuple(shape)}): {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
-        per_microbatch = batch_size // (self.replicas * self.plan.microbatches)
-        inputs.check_loss_on_meta(loss_fn, shapes[max(shapes)], ((per_microbatch, *target[0]), target[1]))
-        return shapes
-
-    def _sample(self, data_fn, label: str):
-        """((shape, dtype) of one sample's input, (shape, dtype) of its target), read on rank 0."""
-        said = self.cluster.run(on_ranks.sample_shape, portable(data_fn), label, ranks=[0])[0]
-        if "error" in said:
-            raise DistUsageError(said["error"])
-        return said["x"], said["y"]
 
     # -- the run ----------------------------------------------------------------------------------------------
 

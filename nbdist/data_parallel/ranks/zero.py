@@ -13,14 +13,19 @@ from __future__ import annotations
 from torch import nn
 
 
-def shard(model: nn.Module, dp_mesh, stage: int) -> nn.Module:
-    """FSDP2 over `dp_mesh` (a 1-D DeviceMesh, or the dp part of a dp x tp mesh), in place: every top-level layer
-    that has parameters is one unit, then the root (which takes what is left)."""
+def shard(model: nn.Module, dp_mesh, stage: int, blocks: tuple[str, ...] | None = None) -> nn.Module:
+    """FSDP2 over `dp_mesh` (a 1-D DeviceMesh, or the dp part of a dp x tp mesh), in place: each of `blocks`
+    (qualified names: a model's repeated blocks, models/structure.py repeated_blocks, where a tied weight never
+    splits two units) is one unit, by default every top-level layer that has parameters; then the root, which
+    takes what is left (embeddings, the head and what they tie)."""
     from nbdist.cluster.ranks.compat import fully_shard  # public from torch 2.6, private before
 
     reshard = stage == 3
-    for layer in model.children():
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    if blocks is None:
+        units = [layer for layer in model.children() if any(True for _ in layer.parameters())]
+    else:
+        units = [model.get_submodule(name) for name in blocks]
+    for layer in units:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     return model

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,7 +34,9 @@ from torch.func import functional_call
 
 from nbdist.cluster.ranks.placement import clock_for
 from nbdist.debugging.ranks import recorder
+from nbdist.models import batches
 from nbdist.pipeline_parallel.ranks.clocks import Span
+from nbdist.pipeline_parallel.ranks.step_state import StepState, Walk
 from nbdist.pipeline_parallel.ranks.transport import Drainer, cancel, message_tag
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.schedules.actions import (
@@ -51,43 +52,6 @@ from nbdist.schedules.actions import (
 )
 
 RECEIVE_LOOKAHEAD = 4  # MPI: receives posted ahead of need, overlap without holding every buffer at once
-
-Key = tuple[int, int]  # (stage, micro-batch)
-
-
-@dataclass(frozen=True)
-class Walk:
-    """An action list as this rank walks it: its actions, their lockstep ticks, and on the torch transport the
-    rounds its messages are posted in (schedules/nccl.py: rounds); None on MPI (receives posted ahead, by tag)."""
-
-    program: tuple[Action, ...]
-    ticks: tuple[int, ...]
-    rounds: tuple | None = None
-
-
-@dataclass
-class StepState:
-    """Everything one step keeps between actions (and between a Stepper's calls), by (stage, micro-batch)."""
-
-    inputs: list = field(default_factory=list)  # micro-batches of the first stage's input
-    targets: list = field(default_factory=list)  # micro-batches of the last stage's targets
-    stage_inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # what F took (requires grad)
-    stage_outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # what F made (the loss on the last stage)
-    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # gradient of an output, from a local stage
-    kept_for_weights: dict[Key, torch.Tensor | None] = field(default_factory=dict)  # output gradient I keeps for W
-    grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # input gradients a SEND_B will send
-    stashed: dict[Key, dict] = field(default_factory=dict)  # parameter version the forward used (pipedream)
-    walk: Walk | None = None  # the list being walked: the step's, or evaluation's forward-only one
-    round: int = 0  # torch transport: the next of the walk's rounds to post
-    received: dict[Action, tuple] = field(default_factory=dict)  # receive action -> (buffer, request)
-    sends: list = field(default_factory=list)  # requests of sends not known to be complete
-    losses: list = field(default_factory=list)
-    spans: list[Span] = field(default_factory=list)
-    unsettled: list[tuple] = field(default_factory=list)  # (action, start mark, end mark, wait, call) on a GPU clock
-    position: int = 0  # the next action of the walk
-    calls: list[float] = field(default_factory=list)  # when each call of this step left its barrier
-    report: dict | None = None  # the finished step's report (kept: a finished rank is still called while stepping)
-
 
 class StageExecutor:
     """One rank's part of a pipeline: its stages' modules, its action list, the messages of the current step."""
@@ -115,6 +79,7 @@ class StageExecutor:
         self.scale_loss = None  # set by the Trainer (fp16): the last stage's loss, scaled before its backward
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
+        self.tie_sum = None  # set by setup: sums tied tensors' gradients between the stages holding copies
         self.epoch = 0  # steps begun: part of every message tag
         self.state = StepState(walk=self.walks["step"])
         self.drainer = Drainer()  # keeps a paused rank's sends moving (transport.py)
@@ -155,10 +120,10 @@ class StageExecutor:
         self.shapes, self.loss_fn = shapes, loss_fn
         state = self.state = StepState(walk=self.walks[walk])
         m = self.spec.microbatches
-        if self.spec.first_stage:
-            state.inputs = list(inputs.to(self.device).chunk(m))
+        if self.spec.first_stage or self.spec.pruned:  # a pruned stage runs the model's forward from the top
+            state.inputs = batches.split(batches.to(inputs, self.device), m)
         if self.spec.last_stage:
-            state.targets = list(targets.to(self.device).chunk(m))
+            state.targets = [None] * m if targets is None else list(targets.to(self.device).chunk(m))
 
     def advance(self, until_tick: int | None = None, publish=None) -> int:
         """Run actions until the next one belongs to tick `until_tick` (None: to the end). Returns actions run.
@@ -212,6 +177,8 @@ class StageExecutor:
             self.stop_draining()
             for request in state.sends:
                 request.wait()
+        if self.tie_sum is not None:
+            self.tie_sum()
         if self.dp_average is not None:
             self.dp_average([p.grad for p in self.parameters() if p.grad is not None])
         if self.optimizer is not None and self.spec.pipedream_lr is None:
@@ -244,7 +211,7 @@ class StageExecutor:
     def _forward(self, a: Action) -> None:
         state, key = self.state, (a.stage, a.microbatch)
         if a.stage == 0:
-            x = state.inputs[a.microbatch]
+            x = None if self.spec.pruned else state.inputs[a.microbatch]
         elif self._local(a.stage - 1):
             x = state.stage_outputs[(a.stage - 1, a.microbatch)].detach().requires_grad_()
         else:
@@ -255,10 +222,12 @@ class StageExecutor:
                 version = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
                 state.stashed[key] = version
                 y = functional_call(module, version, (x,))
+            elif self.spec.pruned:
+                y = module(x, state.inputs[a.microbatch])
             else:
                 y = module(x)
             if a.stage == self.spec.stages - 1:
-                loss = self.loss_fn(y, state.targets[a.microbatch])
+                loss = batches.loss_of(y, state.targets[a.microbatch], self.loss_fn)
                 state.losses.append(loss.detach())
                 y = loss / self.spec.microbatches  # the batch loss is the mean over equal micro-batches
                 y = y if self.scale_loss is None else self.scale_loss(y)

@@ -8,15 +8,17 @@ that and takes the pauses between a Stepper's calls out of the timeline (pipelin
 """
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
 import torch
 from torch import nn
 
-from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.cluster.ranks import placement, rank_mesh, registry
 from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
 from nbdist.models.gathered import whole
+from nbdist.models.structure import repeated_blocks
 from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
 from nbdist.pipeline_parallel.ranks.transport import make_transport
@@ -44,16 +46,22 @@ def setup(spec: StageSpec) -> str:
     transport = make_transport(spec.transport, mesh, device, registry.find(pairs.KIND, spec.name))
     walks = _walks(spec, mesh) if spec.transport == "torch" else None
     modules = _modules(spec)
+    if spec.sync_batchnorm and spec.replicas > 1:  # statistics over every replica's share (data_parallel/ranks)
+        from nbdist.data_parallel.ranks import sync_batchnorm
+
+        modules = {s: sync_batchnorm.convert(m, mesh.group("dp")) for s, m in modules.items()}
     if spec.tp_plan:  # each stage's Linear pairs split over the mesh's tp group (tensor_parallel/ranks/tensor_parallel.py)
         for stage, module in modules.items():
             tensor_parallel.apply(module, mesh.device_mesh["tp"], spec.tp_plan[stage])
     if sharded:  # each stage's gradients (ZeRO-2) and weights (ZeRO-3) over its replicas: FSDP2, as shard() does
         for module in modules.values():
-            zero.shard(module, mesh.device_mesh["dp"], spec.zero)
+            blocks = None if not spec.pruned else tuple(f"model.{b}" for b in repeated_blocks(module.model))
+            zero.shard(module, mesh.device_mesh["dp"], spec.zero, blocks)
     make = restore(spec.optimizer)
     if make is not None and spec.zero == 1:  # each stage's replicas share its optimizer state (ZeRO-1)
         make = functools.partial(zero_optimizer.optimizer, make=make, stage=1, dp_group=mesh.group("dp"))
     executor = StageExecutor(spec, modules, device, transport, average, make, walks)
+    executor.tie_sum = _tied_sum(spec, mesh, modules)
     registry.put(KIND, spec.name, executor)
     return device.type
 
@@ -62,9 +70,9 @@ def begin(name: str, shapes: dict, inputs, targets, loss_fn) -> None:
     registry.get(KIND, name).begin(shapes, inputs, targets, restore(loss_fn))
 
 
-def advance(name: str, until_tick: int | None, publish_every: float | None = None) -> dict:
+def advance(name: str, until_tick: int | None, publish_every: float | None = None, last: bool = False) -> dict:
     """Run to the tick boundary (None: to the end); report the spans so far and, once the rank's list is done,
-    finish the step (gradients averaged over the replicas, optimizer).
+    finish the step (gradients averaged over the replicas, optimizer). `last`: the Stepper's last call of the step.
 
     Every call, on every rank of the mesh (also one whose list is done), starts with a barrier: the notebook's
     requests reach the ranks one after another, and without it that skew would count as bubble. (It costs tens of
@@ -89,7 +97,10 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
         executor.advance(until_tick, _publisher(rank, boot().host, publish_every))
     if stepping:
         executor.pause()
-    if executor.done:
+    # a tied tensor's gradients are summed between the stages holding it, which finish at different ticks: a
+    # stepped step sums them (and steps the optimizer) only in its last call, which every rank reaches whole
+    deferred = stepping and not last and executor.tie_sum is not None
+    if executor.done and not deferred:
         if state.report is None:
             complete = not stepping or executor.posts_rounds
             state.report = {**executor.finish(wait_for_sends=complete), "rank": rank, "host": boot().host,
@@ -160,10 +171,68 @@ def _walks(spec: StageSpec, mesh) -> dict:
 
 
 def _modules(spec: StageSpec) -> dict[int, nn.Module]:
+    """This rank's stage modules: slices of a Sequential, or pruned copies of any other model (split.py)."""
+    if spec.pruned:
+        from nbdist.pipeline_parallel.split import PrunedStage
+
+        model = restore(spec.model)() if isinstance(spec.model, bytes) else spec.model
+        stages = sorted(spec.layers)
+        return {stage: PrunedStage(model if i == len(stages) - 1 else copy.deepcopy(model), spec.units, a, b)
+                for i, (stage, (a, b)) in enumerate((s, spec.layers[s]) for s in stages)}
     if isinstance(spec.model, bytes):
         layers = list(restore(spec.model)())
         return {stage: nn.Sequential(*layers[a:b]) for stage, (a, b) in spec.layers.items()}
     return dict(spec.model)
+
+
+def _tied_sum(spec: StageSpec, mesh, modules: dict[int, nn.Module]):
+    """A function that sums the gradients of each tied tensor over the copies the pipeline's stages hold (GPT-2's
+    embedding on the first stage and its head on the last: Megatron's embedding group), so every copy takes the
+    gradient one process's single tensor gets and the same optimizer step; None when no tied tensor spans two
+    stages. Set up collectively over the pp group (every rank of it runs setup)."""
+    if not spec.pruned or not spec.tied:
+        return None
+    copies: list[list[nn.Parameter]] = []  # per tied group, this rank's distinct copies
+    for group in spec.tied:
+        found: dict[int, nn.Parameter] = {}
+        for module in modules.values():
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if name.removeprefix("model.") in group:
+                    found.setdefault(id(p), p)
+        copies.append(list(found.values()))
+    held = mesh.comm("pp").allgather([(len(c), c[0].numel() if c else 0) for c in copies])
+    spans = [i for i in range(len(spec.tied)) if sum(h[i][0] for h in held) > 1]
+    sizes = {i: max(h[i][1] for h in held) for i in spans}
+    if not spans:
+        return None
+    if spec.transport == "mpi":
+        from mpi4py import MPI
+
+        comms = {i: mesh.comm("pp").Split(0 if copies[i] else MPI.UNDEFINED) for i in spans}
+
+        def all_reduce(i: int, flat: torch.Tensor) -> None:
+            comms[i].Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+    else:  # torch transport: the whole pp group, zeros where a rank holds no copy
+        import torch.distributed as dist
+
+        def all_reduce(i: int, flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, group=mesh.group("pp"))
+
+    def tie_sum() -> None:
+        for i in spans:
+            mine = [p for p in copies[i] if p.grad is not None]
+            if not copies[i]:
+                if spec.transport != "mpi":  # the whole pp group takes part
+                    all_reduce(i, torch.zeros(sizes[i], device=placement.here()))
+                continue
+            total = sum(p.grad for p in mine) if mine else torch.zeros_like(copies[i][0])
+            total = total.contiguous()
+            all_reduce(i, total.view(-1))
+            for p in copies[i]:
+                p.grad = total.clone()
+
+    return tie_sum
+
 
 
 def _dp_average(mesh, replicas: int, transport: str):

@@ -15,6 +15,7 @@ import torch
 
 from nbdist.cluster.ranks import placement, rank_mesh, registry
 from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
+from nbdist.models import batches
 from nbdist.models.gathered import whole
 from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.wire import restore
@@ -30,10 +31,14 @@ class ShardedModel:
         self.me = rank_mesh.here(spec.mesh)
         model = placement.place(restore(spec.model)())  # built on CPU by the user's function: moved once, here
         layout = spec.layout
+        if spec.sync_batchnorm and layout.dp > 1:  # statistics over every replica's share, as one process has them
+            from nbdist.data_parallel.ranks import sync_batchnorm
+
+            model = sync_batchnorm.convert(model, self.me.group("dp"))
         if layout.tp > 1:
             tensor_parallel.apply(model, self.me.device_mesh["tp"], spec.tp_plan)
         if layout.zero >= 2:
-            zero.shard(model, self.me.device_mesh["dp"], layout.zero)
+            zero.shard(model, self.me.device_mesh["dp"], layout.zero, spec.blocks)
         self.model = data_parallel.wrap(model, self.me, layout.dp, layout.tp, layout.zero, spec.ddp)
         make = restore(spec.optimizer)
         self.optimizer = None if make is None else zero_optimizer.optimizer(
@@ -56,7 +61,8 @@ class ShardedModel:
         The Trainer's seams: `autocast` (a context) around each forward, `scale(loss)` before backward (fp16 loss
         scaling), `apply(optimizer)` instead of `optimizer.step()` (clipping, the scaler's step)."""
         m = self.spec.layout.microbatches
-        inputs, targets = placement.to_here(inputs, targets)  # from the notebook, on CPU; the Trainer's are here
+        inputs = batches.to(inputs, placement.here())  # from the notebook, on CPU; the Trainer's are here
+        targets = None if targets is None else targets.to(placement.here())
         self.model.zero_grad(set_to_none=True)
         meter = _memory().ActivationMeter() if memory else None
         marks, losses = [], []
@@ -64,13 +70,13 @@ class ShardedModel:
         watch = self.watch = placement.stopwatch()
         self.last_gradient = None
         started = watch.mark()
-        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
+        for i, (x, y) in enumerate(zip(batches.split(inputs, m), [None] * m if targets is None else targets.chunk(m))):
             with data_parallel.sync_on(self.model, last=i == m - 1):
                 t0 = watch.mark()
                 with meter if meter is not None else contextlib.nullcontext():
                     with self._phase(f"the forward of micro-batch {i}"):
                         with autocast if autocast is not None else contextlib.nullcontext():
-                            loss = loss_fn(self.model(x), y)
+                            loss = batches.loss_of(batches.call(self.model, x), y, loss_fn)
                     t1 = watch.mark()
                     with self._phase(f"the backward of micro-batch {i}"):
                         (loss / m if scale is None else scale(loss / m)).backward()
@@ -108,14 +114,13 @@ class ShardedModel:
         return placement.named_out_of_memory(phase, release=lambda: self.model.zero_grad(set_to_none=True))
 
     def tensors(self, grads: bool) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and buffers (or gradients) under the unsplit model's keys, gathered from
-        their shards (collective over the ranks holding them)."""
-        out = {}
-        named = self.model.named_parameters() if grads else [*self.model.named_parameters(),
-                                                             *self.model.named_buffers()]
-        for key, value in named:
-            out[_unwrapped(key)] = whole(value.grad if grads else value)
-        return out
+        """The whole model's state_dict (or its parameters' gradients) under the user's model's own keys, gathered
+        from their shards (collective over the ranks holding them): it loads with strict=True into the model the
+        user's function builds (tied keys present, non-persistent buffers absent)."""
+        model = getattr(self.model, "module", self.model)  # DDP's wrapper
+        if grads:
+            return {key: whole(p.grad) for key, p in model.named_parameters()}
+        return {key: whole(value) for key, value in model.state_dict().items()}
 
     def memory_bytes(self) -> int:
         return sum(_memory().state_bytes(self.model, self.optimizer).values())
@@ -160,8 +165,3 @@ def _memory():
     from nbdist.cluster.ranks import memory
 
     return memory
-
-
-def _unwrapped(key: str) -> str:
-    """DDP names its model's parameters 'module.<key>': the unsplit model's key is <key>."""
-    return key.removeprefix("module.")

@@ -68,13 +68,69 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> 
     return statistics.median(forward[1:]) / batch, statistics.median(backward[1:]) / batch
 
 
-def model_layer_times(model_fn: bytes, size: int, repeats: int) -> list[tuple[float, float]]:
-    """The model built from the user's function on this rank, each layer timed alone at `size` samples."""
+def model_layer_times(model_fn: bytes, size: int, repeats: int, example=None,
+                      units: list[str] | None = None) -> list[tuple[float, float]]:
+    """The model built from the user's function on this rank, each layer timed alone at `size` samples (of the
+    user's example input, where given); `units`: the units of a model that is not a Sequential."""
     from nbdist.sharding.profile import sample_input
     from nbdist.wire import restore
 
     model = restore(model_fn)()
-    return time_layers(model, sample_input(model, size), repeats)
+    x = sample_input(model, size, example)
+    if units is None:
+        return time_layers(model, x, repeats)
+    return time_units(model, x, units, repeats)
+
+
+def time_units(model: nn.Module, inputs, units: list[str], repeats: int = 5) -> list[tuple[float, float]]:
+    """(forward, backward) seconds per sample of each unit of any model, run alone on this rank's device with
+    the arguments the model's forward gave it (caught on one forward of `inputs`): the median of `repeats` runs
+    after one warm-up. A unit the forward never called takes no time."""
+    from nbdist.models import batches
+
+    model = model.train().to(placement.here())
+    inputs = batches.to(inputs, placement.here())
+    calls: dict[str, tuple] = {}
+
+    def catch(name):
+        def hook(module, args, kwargs):  # a Hugging Face key-value cache is left out: run again, it would grow
+            kept = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+            calls.setdefault(name, (batches.apply(args, lambda t: t.detach()),
+                                    batches.apply(kept, lambda t: t.detach())))
+        return hook
+
+    hooks = [model.get_submodule(u).register_forward_pre_hook(catch(u), with_kwargs=True) for u in units if u]
+    try:
+        with torch.no_grad():
+            batches.call(model, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    size = batches.check(inputs)
+    return [_time_call(model.get_submodule(u), *calls[u], repeats, size) if u in calls else (0.0, 0.0)
+            for u in units]
+
+
+def _time_call(module: nn.Module, args: tuple, kwargs: dict, repeats: int, batch: int) -> tuple[float, float]:
+    from nbdist.models import batches
+
+    forward, backward = [], []
+    for _ in range(repeats + 1):
+        a = batches.apply(args, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        k = batches.apply(kwargs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        watch = placement.stopwatch()
+        start = watch.mark()
+        out = module(*a, **k)
+        middle = watch.mark()
+        grads = [t for t in batches.tensors(out if isinstance(out, (tuple, list, dict)) else [out])
+                 if t.requires_grad]
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+        end = watch.mark()
+        watch.settle()
+        forward.append(watch.seconds(middle) - watch.seconds(start))
+        backward.append(watch.seconds(end) - watch.seconds(middle))
+    return statistics.median(forward[1:]) / batch, statistics.median(backward[1:]) / batch
 
 
 def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats: int = 9,

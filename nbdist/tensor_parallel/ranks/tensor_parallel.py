@@ -13,8 +13,9 @@ from torch import nn
 STYLES = ("colwise", "rowwise")
 
 
-def apply(module: nn.Module, tp_mesh, plan: dict[str, str]) -> nn.Module:
-    """Split `module`'s Linear layers named in `plan` ("colwise" / "rowwise") over `tp_mesh` (a 1-D DeviceMesh), in
+def apply(module: nn.Module, tp_mesh, plan: dict) -> nn.Module:
+    """Split `module`'s layers named in `plan` ("colwise" / "rowwise", or a torch ParallelStyle the user gave, which
+    is applied as it is) over `tp_mesh` (a 1-D DeviceMesh), in
     place. Inputs and outputs of the pairs stay plain, whole tensors (use_local_output), so the layers around them,
     and pipeline stages, see what they would see without tensor parallelism."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -22,4 +23,5 @@ def apply(module: nn.Module, tp_mesh, plan: dict[str, str]) -> nn.Module:
     if not plan:
         return module
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return parallelize_module(module, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+    return parallelize_module(module, tp_mesh, {name: styles[style]() if isinstance(style, str) else style
+                                                for name, style in plan.items()})

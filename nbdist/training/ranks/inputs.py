@@ -40,21 +40,6 @@ def describe(value) -> str:
     return type(value).__name__
 
 
-def checked_dataset(dataset, label: str):
-    """`dataset` if it is a map-style data set whose samples are (input, target) pairs of tensors (what the loop's
-    batches are stacked from); else one line naming the data function and what it returned."""
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise InputError(f"{label} must return a map-style data set (len() and [i] giving (input, target) pairs), "
-                         f"got {type(dataset).__name__}")
-    if len(dataset) == 0:
-        raise InputError(f"{label} returned an empty data set")
-    sample = dataset[0]
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2
-            and all(isinstance(t, torch.Tensor) for t in sample)):
-        raise InputError(f"{label}'s samples must be (input, target) pairs of tensors, got {describe(sample)}")
-    return dataset
-
-
 class CheckedLoss:
     """The user's loss function, its result checked at every call (one number, with a gradient while training: what
     backward needs); what it failed on is remembered, to name it if the first step fails."""
@@ -65,10 +50,12 @@ class CheckedLoss:
         self.failed_on: str | None = None  # "outputs torch.float32 (4, 1), targets torch.int64 (4,)"
 
     def __call__(self, output, target):
+        from nbdist.models.batches import output_loss
+
         self.calls += 1
         given = None
         try:
-            loss = self.fn(output, target)
+            loss = output_loss(output) if self.fn is None else self.fn(output, target)
         except Exception:
             self.failed_on = f"outputs {describe(output)}, targets {describe(target)}"
             raise
@@ -131,3 +118,32 @@ def finite_weights(model: nn.Module) -> bool:
     """Whether every parameter this rank holds is finite (a DTensor's own shard)."""
     with torch.no_grad():
         return all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
+
+
+def prepare(seed: int, optimizer_fn: bytes) -> dict:
+    """Before the model is built: every rank seeded alike, and the optimizer function tried on a stand-in parameter
+    (inputs.optimizer_problem): {"problem": the line that says what is wrong with it, or None, "optimizer": the
+    class it makes (what the replica modes' warnings name)}."""
+    from nbdist.wire import restore
+
+    seed_everything(seed)
+    make = restore(optimizer_fn)
+    problem, kind = optimizer_problem(make), None
+    if problem is None:
+        try:
+            kind = type(make([torch.nn.Parameter(torch.zeros(1))])).__name__
+        except Exception:  # noqa: BLE001 - the real build says it, with the model's parameters
+            kind = None
+    return {"problem": problem, "optimizer": kind}
+
+
+def seed_everything(seed: int) -> None:
+    """The same torch, random and numpy seed on every rank before the model is built (a model_fn that does not
+    seed itself still builds equal replicas)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))

@@ -10,7 +10,8 @@ import time
 import torch
 
 from nbdist.cluster.ranks import placement, registry
-from nbdist.models.gathered import unsplit_view
+from nbdist.models import batches
+from nbdist.models.gathered import pruned_view, unsplit_view
 from nbdist.wire import restore
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype
@@ -48,7 +49,8 @@ class PipelineRunner:
         self.name, self.shapes = spec.model, spec.pipeline["shapes"]
         self.executor = registry.get(pipeline.KIND, spec.model)
         self.first, self.last = self.executor.spec.first_stage, self.executor.spec.last_stage
-        self.model = unsplit_view(self.executor.modules, self.executor.spec.layers)
+        self.model = (pruned_view(self.executor.modules, self.executor.spec.tied) if self.executor.spec.pruned
+                      else unsplit_view(self.executor.modules, self.executor.spec.layers))
         self.optimizer = self.executor.optimizer
         # each stage's forward runs under the executor's autocast
         self.executor.autocast_dtype = AUTOCAST_DTYPES.get(spec.optimization.precision)
@@ -60,7 +62,9 @@ class PipelineRunner:
 
         self.executor.apply_optimizer, self.executor.scale_loss = apply, scale
         started = time.perf_counter()
-        report = pipeline.step(self.name, self.shapes, x if self.first else None, y if self.last else None, loss_fn)
+        pruned = self.executor.spec.pruned  # a pruned stage runs the model's forward from the top: it takes the inputs
+        report = pipeline.step(self.name, self.shapes, x if self.first or pruned else None,
+                               y if self.last else None, loss_fn)
         wall = time.perf_counter() - started
         self.last_step = {"step": step, "spans": report["spans"], "calls": report["calls"], "host": report["host"]}
         compute = comm = 0.0
@@ -74,7 +78,8 @@ class PipelineRunner:
     def evaluate(self, x, y, loss_fn, autocast) -> float | None:
         """Forward only through the stages (executor.evaluate, under the autocast the executor was given); the loss
         on the last stage, None elsewhere."""
-        return self.executor.evaluate(x if self.first else None, y if self.last else None, loss_fn)
+        pruned = self.executor.spec.pruned
+        return self.executor.evaluate(x if self.first or pruned else None, y if self.last else None, loss_fn)
 
     def finish(self) -> None:
         pass
@@ -84,7 +89,7 @@ def whole_model_loss(model, x, y, loss_fn, autocast) -> float:
     """The loss of a model that takes the whole input on this rank (a replica, a tensor-parallel or ZeRO model),
     without gradients."""
     with torch.no_grad(), (autocast or contextlib.nullcontext()):
-        return float(loss_fn(model(x), y))
+        return float(batches.loss_of(batches.call(model, x), y, loss_fn))
 
 
 class ReplicaRunner:

@@ -16,6 +16,8 @@ import math
 import time
 
 import torch
+
+from nbdist.models import batches
 from torch import nn
 
 from nbdist.backend.ranks.waiting import complete_or_abandon, poll
@@ -124,16 +126,19 @@ class Synchronizer:
     def backward(self, inputs, targets, loss_fn, microbatches: int) -> float:
         """Gradients of the mean loss over this replica's share, accumulated over `microbatches` chunks (each
         weighted by its size, so the gradient equals the whole share's). Returns that mean loss."""
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= len(inputs):
+        n = batches.check(inputs, "inputs")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= n:
             raise DistUsageError(f"{self.kind}: microbatches must be an integer from 1 to this replica's "
-                                 f"{len(inputs)} samples, got {microbatches!r} (rank {self.rank})")
+                                 f"{n} samples, got {microbatches!r} (rank {self.rank})")
         self.optimizer.zero_grad()
-        total, n = 0.0, len(inputs)
-        for x, y in zip(inputs.tensor_split(microbatches), targets.tensor_split(microbatches)):
-            loss = loss_fn(self.model(x), y)
-            part = loss * (len(x) / n)
+        total = 0.0
+        ys = [None] * microbatches if targets is None else targets.tensor_split(microbatches)
+        for x, y in zip(batches.split(inputs, microbatches), ys):
+            loss = batches.loss_of(batches.call(self.model, x), y, loss_fn)
+            share = batches.check(x) / n
+            part = loss * share
             (part if self.scale is None else self.scale(part)).backward()
-            total += loss.item() * len(x) / n
+            total += loss.item() * share
         return total
 
     def step_optimizer(self) -> None:

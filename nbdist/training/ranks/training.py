@@ -30,10 +30,13 @@ import time
 
 import torch
 
-from nbdist import data as datasets
 from nbdist.backend.ranks import waiting
+from nbdist.errors import DistUsageError
+from nbdist.models import batches
 from nbdist.cluster.ranks import placement, rank_mesh, registry
 from nbdist.training.ranks import inputs, loss_scaling, runners, telemetry
+from nbdist.training.ranks.data_source import DataSource
+from nbdist.training.ranks.inputs import seed_everything  # noqa: F401 - the tests' and the labs' name for it
 from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.wire import restore
 
@@ -61,10 +64,17 @@ class RankTrainer:
         self.replica = self.me.coords.get("dp", 0)
         data_fn, eval_data_fn = restore(spec.data_fn), restore(spec.data.eval_data_fn)
         self.data_label = inputs.named(data_fn, "data_fn")
-        self.dataset = inputs.checked_dataset(data_fn(), self.data_label)
-        self.eval_set = (inputs.checked_dataset(eval_data_fn(), inputs.named(eval_data_fn, "eval_data_fn"))
+        self.dataset = DataSource(data_fn(), self.data_label)  # training/ranks/data_source.py
+        self.eval_set = (DataSource(eval_data_fn(), inputs.named(eval_data_fn, "eval_data_fn"))
                          if eval_data_fn else None)
         self.loss_fn = inputs.CheckedLoss(restore(spec.loss))
+        self.loss_given = self.loss_fn.fn is not None  # None: the loss the model's output carries
+        for source in filter(None, (self.dataset, self.eval_set)):
+            source.check_batch_size(spec.data.batch_size)
+            try:  # a sample as the loop splits it (pairs, or dicts with labels): one line at set-up
+                batches.inputs_and_targets(source.first, self.loss_given, source.label)
+            except DistUsageError as e:
+                raise inputs.InputError(str(e)) from None
         self.lr_schedule = restore(spec.optimization.lr_schedule)
         self.runner = runners.make(spec, self.me)
         self.base_lrs = [g["lr"] for g in self.runner.optimizer.param_groups] if self.runner.optimizer else []
@@ -87,13 +97,14 @@ class RankTrainer:
 
     # -- one step ---------------------------------------------------------------------------------------------
 
-    def share(self, step: int, dataset=None, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's share of global batch `step`, on this rank's device."""
-        dataset = self.dataset if dataset is None else dataset
-        indices = datasets.batch_indices(len(dataset), step, self.spec.data.batch_size,
-                                         self.spec.data.seed if seed is None else seed)
-        x, y = datasets.collate(dataset, indices.chunk(self.spec.replicas)[self.replica])
-        return x.to(self.device), y.to(self.device)
+    def share(self, step: int, dataset=None, seed: int | None = None):
+        """This replica's share of global batch `step` as (what the model takes, the targets or None), on this
+        rank's device (data_source.py: the order)."""
+        source = self.dataset if dataset is None else dataset
+        collated = source.share(step, self.spec.data.batch_size, self.spec.data.seed if seed is None else seed,
+                                self.spec.replicas, self.replica)
+        x, y = batches.inputs_and_targets(collated, self.loss_given, source.label)
+        return batches.to(x, self.device), None if y is None else y.to(self.device)
 
     def train_step(self) -> dict | None:
         """One step and its record; None if it was this trainer's first and failed on the inputs (self.failure)."""
@@ -126,8 +137,9 @@ class RankTrainer:
         self.proven = True
         record["ended"] = time.perf_counter()
         record["idle_s"] = waited + report.get("idle_s", 0.0)
-        if x.dim() >= 2 and not x.is_floating_point():
-            record["tokens"] = self.spec.data.batch_size * x.shape[1]
+        first = batches.tensors(x)[0]  # a dict's first tensor: its input ids
+        if first.dim() >= 2 and not first.is_floating_point():
+            record["tokens"] = self.spec.data.batch_size * first.shape[1]
         self.step += 1
         self.records.append(record)
         return record
@@ -338,36 +350,6 @@ def install_stop_handler() -> None:
 # -- what the notebook calls ------------------------------------------------------------------------------------
 
 
-def seed_everything(seed: int) -> None:
-    """The same torch, random and numpy seed on every rank before the model is built (a model_fn that does not
-    seed itself still builds equal replicas)."""
-    import random
-
-    import numpy as np
-
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-
-
-def prepare(seed: int, optimizer_fn: bytes) -> str | None:
-    """Before the model is built: every rank seeded alike, and the optimizer function tried on a stand-in parameter
-    (inputs.optimizer_problem); the line that says what is wrong with it, or None."""
-    seed_everything(seed)
-    return inputs.optimizer_problem(restore(optimizer_fn))
-
-
-def sample_shape(data_fn: bytes, label: str = "data_fn") -> dict:
-    """The shape and dtype of one sample's input and target, {"x": (shape, dtype), "y": ...} (a pipeline's message
-    shapes follow from them), or {"error": line} where the data set is not one the loop can read."""
-    fn = restore(data_fn)
-    try:
-        x, y = inputs.checked_dataset(fn(), inputs.named(fn, label))[0]
-    except inputs.InputError as e:
-        return {"error": str(e)}
-    return {"x": (tuple(x.shape), x.dtype), "y": (tuple(y.shape), y.dtype)}
-
-
 def setup(spec) -> dict:
     """This rank's side of a Trainer, registered; {"error": line} instead where its inputs do not fit (the data
     sets, the replica's model and optimizer, a sample against the model's first layer): the same on every rank."""
@@ -378,9 +360,9 @@ def setup(spec) -> dict:
     try:
         trainer = RankTrainer(spec)
         autocast = spec.optimization.precision != "fp32"
-        for dataset, label in ((trainer.dataset, trainer.data_label), (trainer.eval_set, "eval_data_fn")):
-            said = None if dataset is None else inputs.sample_mismatch(trainer.runner.model, dataset[0][0], label,
-                                                                       autocast)
+        for source, label in ((trainer.dataset, trainer.data_label), (trainer.eval_set, "eval_data_fn")):
+            pair = source is not None and isinstance(source.first, (tuple, list))
+            said = inputs.sample_mismatch(trainer.runner.model, source.first[0], label, autocast) if pair else None
             if said:
                 raise inputs.InputError(said)
     except inputs.InputError as e:
@@ -388,7 +370,7 @@ def setup(spec) -> dict:
             trainer.runner.sync.close()
         return {"rank": boot().rank, "error": str(e)}
     registry.put(KIND, spec.name, trainer)
-    return {"rank": trainer.rank, "length": len(trainer.dataset)}
+    return {"rank": trainer.rank, "length": trainer.dataset.length}
 
 
 def fit(name: str, steps: int, publish_every: float | None) -> dict:
