@@ -435,3 +435,116 @@ def recorder_pairs(pairs: int, calls: int, size: int) -> list[tuple[float, float
     finally:
         recorder.recording(was)
     return seconds if dist.get_rank() == 0 else None
+
+
+# -- the anchors for a user's model: torch's own DDP, FSDP2 and pipelining ---------------------------------------------
+
+
+class TorchDataParallel:
+    """torch's DistributedDataParallel, or FSDP2 (`fully_shard` on each decoder layer, then the root: the units
+    torchtitan and nbdist's ZeRO-3 make), of a Hugging Face model on the default process group, Adam, reading the
+    Trainer's batches: global batch k in nbdist.data's order (DistributedSampler's), this rank's share of it."""
+
+    def __init__(self, build: bytes, data_fn: bytes, kind: str, batch: int):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from nbdist.cluster.ranks.compat import fully_shard
+
+        self.rank, self.world, self.batch = dist.get_rank(), dist.get_world_size(), batch
+        model = cloudpickle.loads(build)()
+        if kind == "ddp":
+            self.model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (self.world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.dataset = cloudpickle.loads(data_fn)()
+        self.step_number = 0
+
+    def steps(self, k: int) -> dict:
+        from nbdist import data
+
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            indices = data.batch_indices(len(self.dataset), self.step_number, self.batch, 0)
+            share = data.collate(self.dataset, data.replica_share(indices, self.world, self.rank))
+            loss = self.model(**share).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step_number += 1
+        return {"start": start, "end": time.perf_counter()}
+
+    def describe(self) -> str:
+        return f"torch {type(self.model).__name__} of a user's model (benchmark anchor)"
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def data_parallel_setup(key: str, build: bytes, data_fn: bytes, kind: str, batch: int) -> str:
+    return registry.put(KIND, key, TorchDataParallel(build, data_fn, kind, batch)).describe()
+
+
+def data_parallel_steps(key: str, k: int) -> dict:
+    return registry.get(KIND, key).steps(k)
+
+
+class _TorchPrunedStage(torch.nn.Module):
+    """nbdist's pruned stage of a user's model (pipeline_parallel/split.py) as torch's PipelineStage calls a stage:
+    the previous stage's output as its argument (none on the first), the micro-batch's inputs as keywords, the
+    logits out of the last."""
+
+    def __init__(self, stage, first: bool, last: bool):
+        super().__init__()
+        self.stage, self.first, self.last = stage, first, last
+
+    def forward(self, *args, **inputs):
+        out = self.stage(None if self.first else args[0], inputs)
+        return out.logits if self.last else out
+
+
+class TorchPrunedPipeline:
+    """torch's PipelineStage and Schedule1F1B over the same stages nbdist's pipeline builds for this rank (a pruned
+    copy of the model, cut at the same units): the anchor of a user's model's pipeline."""
+
+    def __init__(self, build: bytes, units: list, ranges: list, microbatches: int, loss_fn: bytes):
+        from nbdist.pipeline_parallel.split import PrunedStage
+
+        self.rank, self.p = dist.get_rank(), len(ranges)
+        a, b = ranges[self.rank]
+        pruned = PrunedStage(cloudpickle.loads(build)(), units, a, b)
+        self.module = _TorchPrunedStage(pruned, self.rank == 0, self.rank == self.p - 1)
+        stage = PipelineStage(self.module, self.rank, self.p, device=torch.device("cpu"))
+        self.schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=cloudpickle.loads(loss_fn))
+
+    def steps(self, inputs: dict, labels, k: int) -> dict:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            self.module.zero_grad(set_to_none=True)
+            if self.rank == self.p - 1:
+                self.schedule.step(target=labels, losses=[], return_outputs=False, **inputs)
+            else:
+                self.schedule.step(return_outputs=False, **inputs)
+        return {"start": start, "end": time.perf_counter()}
+
+    def describe(self) -> str:
+        return f"torch Schedule1F1B over nbdist's pruned stage {self.rank} of {self.p} (benchmark anchor)"
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+def pruned_pipeline_setup(key: str, build: bytes, units: list, ranges: list, microbatches: int,
+                          loss_fn: bytes) -> str:
+    return registry.put(KIND, key, TorchPrunedPipeline(build, units, ranges, microbatches, loss_fn)).describe()
+
+
+def pruned_pipeline_steps(key: str, inputs: dict, labels, k: int) -> dict:
+    return registry.get(KIND, key).steps(inputs, labels, k)

@@ -86,3 +86,64 @@ class Gpt:
     def text(self):
         """A zero-argument function giving the byte corpus cut into windows of `seq` tokens (nbdist.data)."""
         return partial(data.text_dataset, seq=self.seq)
+
+
+@dataclass(frozen=True)
+class Llama:
+    """A Hugging Face `LlamaForCausalLM` nbdist did not write, random-initialised from seed 0: `layers,hidden,seq`
+    on the command line (4 attention heads, 2 key-value heads, intermediate 2 x hidden, vocabulary 256), trained on
+    dicts of input ids and labels (its own loss), a map-style data set of random tokens (seed 1)."""
+
+    layers: int
+    hidden: int
+    seq: int
+    vocab: int = 256
+
+    @classmethod
+    def parse(cls, text: str) -> Llama:
+        layers, hidden, seq = (int(v) for v in text.split(","))
+        return cls(layers, hidden, seq)
+
+    def __str__(self) -> str:
+        return f"llama {self.layers},{self.hidden},{self.seq}"
+
+    def builder(self):
+        return partial(_llama, self.layers, self.hidden, self.seq, self.vocab)
+
+    def data(self, samples: int = 512):
+        return partial(TokenDicts, samples, self.seq, self.vocab)
+
+    def batch(self, size: int) -> dict:
+        return TokenDicts(size, self.seq, self.vocab).all()
+
+
+def _llama(layers: int, hidden: int, seq: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=max(seq, 64)))
+
+
+class TokenDicts(torch.utils.data.Dataset):
+    """`samples` random token windows of `seq`, each {"input_ids", "labels"} (a causal LM shifts the labels)."""
+
+    def __init__(self, samples: int, seq: int, vocab: int):
+        self.ids = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def all(self) -> dict:
+        return {"input_ids": self.ids, "labels": self.ids}
+
+
+def shifted_cross_entropy(output, labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's loss from its logits (the model's output, or its `.logits`), as Hugging Face's ForCausalLMLoss
+    computes it (each position predicts the next label): the loss_fn both pipelines take."""
+    logits = getattr(output, "logits", output)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())

@@ -41,6 +41,23 @@ class TokenStream(IterableDataset):
         return (tokens[i] for i in range(len(tokens)))
 
 
+class Sentences(Dataset):
+    """Dicts for a BERT classifier: ids, an attention mask with padding, a class label."""
+
+    def __init__(self, samples: int = SAMPLES):
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+        self.mask = torch.ones(samples, SEQ, dtype=torch.long)
+        self.mask[::3, SEQ - 5:] = 0
+        self.labels = torch.randint(0, 3, (samples,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
 class Images(Dataset):
     def __init__(self, samples: int = SAMPLES):
         g = torch.Generator().manual_seed(4)
@@ -56,7 +73,8 @@ class Images(Dataset):
 def pad_collate(samples: list[dict]) -> dict:
     """A collate_fn as a user's DataLoader has one (here: stack, and an attention mask of ones)."""
     ids = torch.stack([s["input_ids"] for s in samples])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.stack([s["labels"] for s in samples])}
+    labels = torch.stack([s["labels"] for s in samples])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
 def tokens():
@@ -73,6 +91,10 @@ def stream():
 
 def images():
     return Images()
+
+
+def sentences():
+    return Sentences()
 
 
 def sampler_batches(dataset, steps: int, replicas: int, seed: int = 0) -> list[list[int]]:
@@ -160,6 +182,15 @@ def test_a_hugging_face_llama_trains_on_its_own_loss_like_one_process(cluster, d
     collate = pad_collate if data_fn is loader else stack_dicts
     want = serial("llama", batches, collate)
     check(nbdist.Trainer(BUILDERS["llama"], data_fn, None, adam, plan=plan, batch_size=BATCH, live=False), steps, *want)
+
+
+def test_a_bert_classifier_trains_through_a_pipeline_like_one_process(cluster):
+    """An encoder with an attention mask and a classification head, its own loss, cut in two stages."""
+    steps = 4
+    batches = [[Sentences()[i] for i in b] for b in sampler_batches(Sentences(), steps, 1)]
+    want = serial("bert", batches, stack_dicts)
+    check(nbdist.Trainer(BUILDERS["bert"], sentences, None, adam, plan={"pp": 2, "microbatches": 2},
+                         batch_size=BATCH, live=False), steps, *want)
 
 
 def test_an_iterable_data_set_is_read_in_order_and_dealt_out(cluster):

@@ -12,7 +12,7 @@ from typing import Sequence
 from nbdist.cost.memory import OPTIMIZER_STATES, check_zero, sharded, zero1_owners
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
-from nbdist.sharding.profile import LayerProfile, ParamShape
+from nbdist.sharding.profile import LayerProfile, ParamShape, held_tensors
 from nbdist.sharding.shape import layout, micro_batch_size
 from nbdist.units import format_bytes
 
@@ -68,7 +68,7 @@ def predict_memory(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int,
 
 def _rank_memory(stages: list[list[LayerProfile]], peak: int, size: int, dp: int, tp: int, zero: int,
                  states: int, param_bytes: int, last: LayerProfile) -> RankMemory:
-    tensors = [t for stage in stages for layer in stage for t in layer.tensors]
+    tensors = held_tensors([layer for stage in stages for layer in stage])  # a tied copy where its owner is not
     whole = sum(t.numel(tp) for t in tensors)
     shards = sum(t.shard_numel(tp, dp) for t in tensors)
     # a gathered layer lives in FSDP2's all-gather buffers: dp padded shards per parameter

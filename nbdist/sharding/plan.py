@@ -99,7 +99,8 @@ class Plan:
         self.units, self.tied, self.tp_styles, self.boundaries = read.units, read.tied, read.tp_styles, read.boundaries
         self.batchnorm_note = read.batchnorm_note
         self.layers = profile_layers(self.model, sample_input(self.model, example=self.example), tp,
-                                     kinds(self.tp_styles), self.units)
+                                     kinds(self.tp_styles), self.units,
+                                     strict=all(isinstance(v, str) for v in self.tp_styles.values()))
         self.overheads: Overheads | None = None  # measured by profile()
         self.links: dict = {}  # measured by profile(): dimension -> the α-β of an all-reduce on its groups
 
@@ -369,8 +370,8 @@ class Plan:
                              chunks=self.chunks, mesh=mesh, cluster=self.cluster, optimizer=optimizer_fn,
                              balance=[b - a for a, b in self.boundaries] if self.flat else None,
                              tp_plan=self._tp_plans(), zero=self.zero,
-                             example_input=self.example, split_points=None if self.flat else [
-                                 self.units[a] for a, _ in self.boundaries[1:]], sync_batchnorm=self.choices.sync_batchnorm)
+                             example_input=self.example, sync_batchnorm=self.choices.sync_batchnorm,
+                             split_points=None if self.flat else [self.units[a] for a, _ in self.boundaries[1:]])
             built.plan = self  # side_by_side() compares against this plan
             return built
         from nbdist.sharding.sharded import Sharded

@@ -75,6 +75,8 @@ class LayerProfile:
     tp_allreduce_bytes_per_sample: tuple[tuple[float, float], ...] = ()
     forward_s: float | None = None  # per sample, None until timed (ranks/timing.time_layers, with_times)
     backward_s: float | None = None
+    shared: tuple[ParamShape, ...] = ()  # tied tensors this layer uses that an earlier layer owns (GPT-2's head):
+    # a pipeline stage holding this layer without their owner holds a copy (held_tensors)
 
     def saved_bytes(self, tp: int = 1) -> float:
         """Bytes per sample this layer saves for backward on one of tp ranks."""
@@ -84,12 +86,22 @@ class LayerProfile:
         return _divided(self.input_bytes_per_sample, self.input_split_bytes_per_sample, tp)
 
 
+def held_tensors(layers: Sequence[LayerProfile]) -> list[ParamShape]:
+    """The parameters a rank holding `layers` holds: each layer's own, and a copy of each tied tensor one of them
+    uses whose owner is elsewhere; every tensor once (by name)."""
+    out: dict[str, ParamShape] = {}
+    for layer in layers:
+        for t in (*layer.tensors, *layer.shared):
+            out.setdefault(t.name, t)
+    return list(out.values())
+
+
 def _divided(whole: float, split: float, tp: int) -> float:
     return whole - split + split / tp
 
 
 def profile_layers(model: nn.Module, sample_input, tp: int = 1, plan: dict[str, str] | None = None,
-                   units: Sequence[str] | None = None) -> list[LayerProfile]:
+                   units: Sequence[str] | None = None, strict: bool = False) -> list[LayerProfile]:
     """Profile each unit (a Sequential's items; any other model's units, nbdist/models/structure.py) with one forward
     of `sample_input` (a small batch: a tensor, a tuple or a dict of tensors) in this process.
 
@@ -98,6 +110,8 @@ def profile_layers(model: nn.Module, sample_input, tp: int = 1, plan: dict[str, 
     sliced (column layers keep out_features / t, row layers in_features / t) and counted again; whole = R + S,
     sliced = R + S / t gives S. t is `tp`, or with tp=1 the smallest split the model allows, so a profile serves
     every tp (the sliced sizes are linear in 1/t). A model on the meta device is materialised on CPU first.
+    `strict`: the plan is nbdist's own styles, so the sliced copy is exactly one tensor-parallel rank's model: where
+    it does not run, neither would the plan (one line).
     """
     flat = is_flat(model)
     if plan is None:
@@ -109,10 +123,10 @@ def profile_layers(model: nn.Module, sample_input, tp: int = 1, plan: dict[str, 
     batch = batches.check(x, "the example input")
     whole = _profiled_forward(model, x, units, plan)
     t = tp if tp > 1 else _smallest_split(model, plan)
-    sliced = _sliced_bytes(model, x, units, plan, t) if t > 1 else whole
+    sliced = _sliced_bytes(model, x, units, plan, t, strict and tp > 1) if t > 1 else whole
     split = (lambda a, b: (a - b) * t / (t - 1)) if sliced is not whole else (lambda a, b: 0.0)
     allreduces = _allreduces_per_layer(units, plan, whole["io"])
-    shapes = _param_shapes(model, units, plan)
+    shapes, shared = _param_shapes(model, units, plan)
     profiles = []
     for i, name in enumerate(units):
         tensors = shapes[i]
@@ -125,6 +139,7 @@ def profile_layers(model: nn.Module, sample_input, tp: int = 1, plan: dict[str, 
             input_split_bytes_per_sample=split(whole["again"][i], sliced["again"][i]) / batch,
             output_bytes_per_sample=whole["output"][i] / batch,
             tp_allreduce_bytes_per_sample=tuple((f / batch, b / batch) for f, b in allreduces[i]),
+            shared=shared[i],
         ))
     return profiles
 
@@ -139,9 +154,9 @@ def runnable(model: nn.Module, x) -> tuple[nn.Module, object]:
     return model, x
 
 
-def _param_shapes(model: nn.Module, units: list[str], plan: dict[str, str]) -> list[tuple[ParamShape, ...]]:
+def _param_shapes(model: nn.Module, units: list[str], plan: dict[str, str]) -> tuple[list, list]:
     """Per unit, the parameters it owns (a tied weight once, in the first unit that uses it) and the dimension
-    tensor parallelism splits."""
+    tensor parallelism splits; and per unit the tied ones it uses that an earlier unit owns."""
     split = {}
     for name, kind in plan.items():
         module = model.get_submodule(name)
@@ -152,7 +167,15 @@ def _param_shapes(model: nn.Module, units: list[str], plan: dict[str, str]) -> l
             if kind == "colwise":
                 split[f"{name}.bias"] = 0
     owned = owned_parameters(model, units)
-    return [tuple(ParamShape(name, tuple(p.shape), split.get(name)) for name, p in owned[unit]) for unit in units]
+    owner = {id(p): name for unit in units for name, p in owned[unit]}
+    shapes = [tuple(ParamShape(name, tuple(p.shape), split.get(name)) for name, p in owned[unit]) for unit in units]
+    shared = []
+    for unit in units:
+        own = {id(p) for _, p in owned[unit]}
+        used = {id(p): p for _, p in model.get_submodule(unit).named_parameters(remove_duplicate=False)}
+        shared.append(tuple(ParamShape(owner[i], tuple(p.shape), split.get(owner[i]))
+                            for i, p in used.items() if i not in own and i in owner))
+    return shapes, shared
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -248,13 +271,21 @@ def _smallest_split(model: nn.Module, plan: dict[str, str]) -> int:
     return next((t for t in range(2, common + 1) if common % t == 0), 1)
 
 
-def _sliced_bytes(model: nn.Module, x, units: list[str], plan: dict[str, str], tp: int) -> dict:
-    """_saved_bytes of the model as one tensor-parallel rank of `tp` holds it; the whole model's where the sliced
-    copy does not run (a model whose forward reads a layer's full width from its config): tensor parallelism is
-    then taken to divide no saved bytes, an overestimate."""
+def _sliced_bytes(model: nn.Module, x, units: list[str], plan: dict[str, str], tp: int, strict: bool) -> dict:
+    """_saved_bytes of the model as one tensor-parallel rank of `tp` holds it. Where the sliced copy does not run:
+    with `strict` one line (a column layer whose output reaches no row layer: the plan cannot run either); else
+    the whole model's (torch styles of other layouts are not sliced here: tensor parallelism is then taken to
+    divide no saved bytes, an overestimate)."""
     try:
-        return _saved_bytes(_tp_sliced(model, tp, plan), x, units, plan)
-    except (RuntimeError, ValueError, IndexError):
+        with quietly():
+            return _saved_bytes(_tp_sliced(model, tp, plan), x, units, plan)
+    except (RuntimeError, ValueError, IndexError) as e:
+        if strict:
+            said = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            raise DistUsageError(f"the tensor-parallel plan does not run on one rank's 1/{tp} slice of "
+                                 f"{type(model).__name__} ({type(e).__name__}: {said}): each colwise layer's "
+                                 f"output must reach a rowwise layer through layers that act on each feature alone "
+                                 f"(attention heads, an activation); name the pairs in tp_plan") from None
         return _saved_bytes(model, x, units, plan)
 
 

@@ -15,7 +15,7 @@ from nbdist.cost.waiting import YIELD_SECONDS
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Span, Timeline
-from nbdist.sharding.profile import LayerProfile
+from nbdist.sharding.profile import LayerProfile, held_tensors
 from nbdist.sharding.shape import layout, micro_batch_size
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     sync = [_dp_sync([sum(p.numel(tp) for p in layer.tensors) * param_bytes for layer in stage], dp, zero,
                      microbatches, dp_ab) for stage in stages]
     shards = dp if zero >= 1 else 1
-    optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for layer in stage for p in layer.tensors) / shards
+    optimizer = [extra.optimizer_per_param * sum(p.numel(tp) for p in held_tensors(stage)) / shards
                  + extra.optimizer_per_tensor * _stepped_tensors(stage, dp, zero)
                  + extra.optimizer_per_dtensor * _dtensors(stage, tp, zero) for stage in stages]
     return StepTime(forward, backward, tp_f, tp_b, message, sync, timeline, ab, optimizer, extra, lib_f, lib_b,
