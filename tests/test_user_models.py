@@ -270,3 +270,41 @@ def test_the_plans_memory_of_a_users_model_is_what_the_ranks_hold(cluster, name,
         measured = sum(row[f"{k} measured"] for k in ("params", "grads", "optimizer", "activations"))
         predicted = sum(row[f"{k} predicted"] for k in ("params", "grads", "optimizer", "activations"))
         assert measured == pytest.approx(predicted, rel=0.10), row
+
+
+def stem_stage():
+    from user_models import ResNet
+
+    model = ResNet()
+    return torch.nn.Sequential(model.stem, model.layer1)
+
+
+def head_stage():
+    from user_models import ResNet
+
+    model = ResNet()
+    return torch.nn.Sequential(model.layer2, model.pool, torch.nn.Flatten(1), model.fc)
+
+
+def test_a_pipeline_of_stage_functions_equals_one_process(cluster):
+    """A function per stage, each building its stage's module (torch's manual-stage way, for a model a user has
+    cut by hand): the pipeline trains like one process running the stages one after the other."""
+    from user_models import cross_entropy
+
+    inputs, targets, _ = batch("resnet")
+    pipe = nbdist.pipeline([stem_stage, head_stage], stages=2, microbatches=1, schedule="gpipe", optimizer=adam)
+    try:
+        losses = [pipe.step(inputs, targets, cross_entropy) for _ in range(STEPS)]
+        state = pipe.state_dict()
+    finally:
+        pipe.close()
+    whole = torch.nn.Sequential(stem_stage(), head_stage())
+    optimizer = adam(whole.parameters())
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = cross_entropy(whole(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        assert losses[step] == pytest.approx(loss.item(), abs=ATOL)
+    worst, where = largest_difference(state, whole.state_dict())
+    assert worst < ATOL, (worst, where)
