@@ -1,7 +1,8 @@
 """What the benchmarks train and send, sized from their command lines: nbdist's own models and data, none built by hand.
 
 `Mlp` (`WIDTHxLAYERS/BATCH`) is `nbdist.models.mlp(width, layers)` and a batch; `Gpt` (`layers,hidden,seq`) is
-`nbdist.models.gpt(...)` with 4 heads and nbdist.data's byte corpus; `adam` is the optimizer every training benchmark
+`nbdist.models.gpt(...)` with 4 heads and nbdist.data's byte corpus; `Llama` (`layers,hidden,seq`) a Hugging Face
+LlamaForCausalLM nbdist did not write, with a data set of token dicts; `adam` is the optimizer every training benchmark
 uses; `parse_size` reads message sizes ("4K", "64M"). Builders are `functools.partial`s of module functions, so
 cloudpickle sends them to the engines by reference (the engines import nbdist, and this module: nbdist gives them the
 kernel's import path, which holds benchmarks/), and every rank, torch's anchor and this process build the same model
