@@ -67,6 +67,7 @@ def pipeline(
     split_points: list[str] | None = None,
     example_input=None,
     sync_batchnorm: bool = False,
+    read_model: nn.Module | None = None,
 ) -> "Pipeline":
     """Split `model` across `stages` ranks (or a mesh's pp dimension) and prepare `schedule` (a name, or a
     Schedule you built or wrote).
@@ -78,7 +79,8 @@ def pipeline(
     pipelining vocabulary: ["model.layers.2"]); each stage is then a pruned copy of the model
     (pipeline_parallel/split.py). Without them the model's units (models/structure.py) are balanced by
     parameters. Either way each cut is proven on `example_input` (a few samples of what the model takes) before
-    anything runs on the ranks.
+    anything runs on the ranks. read_model: the kernel's copy of a model built by a function, when the caller has
+    built it and proven its cuts (nbdist.shard's plan does): not built again.
     mesh: run one pipeline per data-parallel replica of the mesh (its pp size is the number of stages; dp, if
     present, the number of replicas); the batch given to step() is split across the replicas.
     balance: layers (units) per stage (p*v entries); None balances by parameter count.
@@ -95,7 +97,7 @@ def pipeline(
     cluster = cluster or current()
     mesh = _pipeline_mesh(cluster, mesh, stages, tp_plan is not None)
     return Pipeline(model, mesh, schedule, microbatches, chunks, balance, cluster, optimizer, lr, transport, tp_plan,
-                    zero, Cutting(split_points, example_input, sync_batchnorm))
+                    zero, Cutting(split_points, example_input, sync_batchnorm, read_model))
 
 
 def _pipeline_mesh(cluster: Cluster, mesh: Mesh | None, stages: int | None, tensor_parallel: bool = False) -> Mesh:

@@ -30,6 +30,7 @@ class Cutting:
     split_points: list[str] | None = None
     example_input: object = None
     sync_batchnorm: bool = False
+    read: nn.Module | None = None  # the kernel's copy, built and its cuts proven by the caller (a plan's apply)
 
 
 class Cut:
@@ -78,7 +79,7 @@ class Cut:
         self._shapes: dict = {}
         if self.whole is not None:
             self._check_tied(zero)
-            if cutting.example_input is not None:  # the cuts proven now, before anything runs on the ranks
+            if cutting.example_input is not None and cutting.read is None:  # proven now, before the ranks build
                 check_cuts(self.whole, self.units, self.ranges, cutting.example_input)
 
     def _check_tied(self, zero: int) -> None:
@@ -168,6 +169,8 @@ def general_model(model, cutting: Cutting) -> nn.Module | None:
         return None
     if isinstance(model, nn.Module):
         return model
+    if cutting.read is not None:
+        return None if isinstance(cutting.read, nn.Sequential) else cutting.read
     if not callable(model):
         raise DistUsageError(f"the model must be an nn.Module or a function building one, got {model!r}")
     if cutting.split_points is None and cutting.example_input is None:

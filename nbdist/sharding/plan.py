@@ -371,6 +371,7 @@ class Plan:
                              balance=[b - a for a, b in self.boundaries] if self.flat else None,
                              tp_plan=self._tp_plans(), zero=self.zero,
                              example_input=self.example, sync_batchnorm=self.choices.sync_batchnorm,
+                             read_model=self.model,
                              split_points=None if self.flat else [self.units[a] for a, _ in self.boundaries[1:]])
             built.plan = self  # side_by_side() compares against this plan
             return built

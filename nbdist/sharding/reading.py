@@ -120,14 +120,15 @@ class ModelReading:
         parts = [f"dp={self.dp}" if replicas > 1 else "", f"microbatches={self.microbatches}"
                  if self.microbatches > 1 else ""]
         share = self.dp * self.microbatches if replicas > 1 else self.microbatches
-        note = (f"{type(self.model).__name__}'s BatchNorm layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
-                f"take their statistics from 1/{share} of the batch under {' and '.join(p for p in parts if p)}: "
-                f"training differs from one process")
+        named = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+        note = (f"{type(self.model).__name__}'s BatchNorm layers ({named}) take their statistics from 1/{share} of the "
+                f"batch under {' and '.join(p for p in parts if p)}: training differs from one process")
         way = ("; shard(..., sync_batchnorm=True) makes dp equal to one process" if replicas > 1 else "")
         if self.microbatches > 1:
             way += "; micro-batches cannot share statistics (use microbatches=1, or GroupNorm/LayerNorm)"
         warnings.warn(note + way, BatchNormWarning, stacklevel=5)
         return note + way
+
 
 class BatchNormWarning(UserWarning):
     """A plan changes what a model's BatchNorm layers compute (statistics per replica or micro-batch)."""

@@ -92,6 +92,6 @@ def say_what_ssp_trains(sync: str, optimizer: str | None) -> None:
     if sync == "ssp" and optimizer not in (None, "SGD"):
         import warnings
 
-        warnings.warn(f"sync='ssp' sends each replica's own optimizer step: with {optimizer} (each replica's state sees "
-                      f"only its own gradients) even staleness 0 is not one process's training; with SGD (plain or "
-                      f"momentum) it is", UserWarning, stacklevel=3)
+        warnings.warn(f"sync='ssp' sends each replica's own optimizer step: with {optimizer} (each replica's state "
+                      f"sees only its own gradients) even staleness 0 is not one process's training; with SGD (plain "
+                      f"or momentum) it is", UserWarning, stacklevel=3)
