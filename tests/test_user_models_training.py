@@ -280,3 +280,14 @@ def test_a_one_shot_iterator_is_one_line(cluster):
     with pytest.raises(DistUsageError, match=r"data_fn one_shot returned an iterator \(list_iterator\), which can be "
                                              r"read only once: return an iterable data set"):
         nbdist.Trainer(BUILDERS["llama"], one_shot, None, adam, batch_size=BATCH, live=False)
+
+
+def test_epochs_of_an_iterable_data_set_are_one_line(cluster):
+    trainer = nbdist.Trainer(BUILDERS["gpt2"], stream, None, adam, batch_size=BATCH, live=False)
+    try:
+        with pytest.raises(DistUsageError, match=r"fit\(epochs=\.\.\.\) counts passes over the data set, but an "
+                                                 r"iterable data set has no length: give steps="):
+            trainer.fit(epochs=1)
+        trainer.fit(steps=1)
+    finally:
+        trainer.close()

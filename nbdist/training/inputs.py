@@ -60,15 +60,19 @@ def check_loss_on_meta(loss_fn, output: tuple, target: tuple) -> None:
         return
 
 
-def steps_of(steps, epochs, length: int, batch_size: int) -> int:
-    """fit's steps: `steps`, or `epochs` passes over a data set of `length` samples."""
+def steps_of(steps, epochs, length: int | None, batch_size: int) -> int:
+    """fit's steps: `steps`, or `epochs` passes over a data set of `length` samples (an epoch: its whole batches,
+    as nbdist.data.batch_indices reads them); an iterable data set has no length to count epochs by."""
     if (steps is None) == (epochs is None):
         raise DistUsageError("give fit either steps= or epochs=")
     if steps is not None:
         return whole_number(steps, "steps")
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
         raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
-    return max(1, math.ceil(epochs * length / batch_size))
+    if length is None:
+        raise DistUsageError("fit(epochs=...) counts passes over the data set, but an iterable data set has no "
+                             "length: give steps=")
+    return max(1, math.ceil(epochs * (length // batch_size)))
 
 
 def failure_line(results: list[dict]) -> str | None:

@@ -57,10 +57,6 @@ class DataSource:
                              f"DataLoader, got {type(given).__name__}")
         _check_sample(self.first, label)
 
-    @property
-    def streamed(self) -> bool:
-        return self.length is None
-
     def check_batch_size(self, batch_size: int) -> None:
         if self.loader_batch is not None and self.loader_batch != batch_size:
             raise InputError(f"{self.label}'s DataLoader makes batches of {self.loader_batch}, but the Trainer's "
