@@ -80,6 +80,7 @@ class StageExecutor:
         self.shapes: dict[int, tuple] = {}  # stage -> (shape, dtype) of its output for one micro-batch
         self.loss_fn = None
         self.tie_sum = None  # set by setup: sums tied tensors' gradients between the stages holding copies
+        self.tie_comms: list = []  # the MPI communicators tie_sum uses (freed when the pipeline closes)
         self.epoch = 0  # steps begun: part of every message tag
         self.state = StepState(walk=self.walks["step"])
         self.drainer = Drainer()  # keeps a paused rank's sends moving (transport.py)

@@ -61,7 +61,7 @@ def setup(spec: StageSpec) -> str:
     if make is not None and spec.zero == 1:  # each stage's replicas share its optimizer state (ZeRO-1)
         make = functools.partial(zero_optimizer.optimizer, make=make, stage=1, dp_group=mesh.group("dp"))
     executor = StageExecutor(spec, modules, device, transport, average, make, walks)
-    executor.tie_sum = _tied_sum(spec, mesh, modules)
+    executor.tie_sum, executor.tie_comms = _tied_sum(spec, mesh, modules)
     registry.put(KIND, spec.name, executor)
     return device.type
 
@@ -147,6 +147,9 @@ def parameters(name: str, grads: bool) -> dict | None:
 
 
 def close(name: str) -> None:
+    executor = registry.find(KIND, name)
+    for comm in getattr(executor, "tie_comms", ()):  # collective: every rank of the pipeline closes it
+        comm.Free()
     registry.drop(KIND, name)
     groups = registry.find(pairs.KIND, name)
     if groups is not None:
@@ -185,13 +188,14 @@ def _modules(spec: StageSpec) -> dict[int, nn.Module]:
     return dict(spec.model)
 
 
-def _tied_sum(spec: StageSpec, mesh, modules: dict[int, nn.Module]):
+def _tied_sum(spec: StageSpec, mesh, modules: dict[int, nn.Module]) -> tuple:
     """A function that sums the gradients of each tied tensor over the copies the pipeline's stages hold (GPT-2's
     embedding on the first stage and its head on the last: Megatron's embedding group), so every copy takes the
     gradient one process's single tensor gets and the same optimizer step; None when no tied tensor spans two
-    stages. Set up collectively over the pp group (every rank of it runs setup)."""
+    stages. Set up collectively over the pp group (every rank of it runs setup). With it, the MPI communicators it
+    made (close frees them)."""
     if not spec.pruned or not spec.tied:
-        return None
+        return None, []
     copies: list[list[nn.Parameter]] = []  # per tied group, this rank's distinct copies
     for group in spec.tied:
         found: dict[int, nn.Parameter] = {}
@@ -204,7 +208,8 @@ def _tied_sum(spec: StageSpec, mesh, modules: dict[int, nn.Module]):
     spans = [i for i in range(len(spec.tied)) if sum(h[i][0] for h in held) > 1]
     sizes = {i: max(h[i][1] for h in held) for i in spans}
     if not spans:
-        return None
+        return None, []
+    comms: dict = {}
     if spec.transport == "mpi":
         from mpi4py import MPI
 
@@ -231,8 +236,13 @@ def _tied_sum(spec: StageSpec, mesh, modules: dict[int, nn.Module]):
             for p in copies[i]:
                 p.grad = total.clone()
 
-    return tie_sum
+    return tie_sum, [c for c in comms.values() if c != _null_comm()]
 
+
+def _null_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_NULL
 
 
 def _dp_average(mesh, replicas: int, transport: str):
