@@ -31,6 +31,14 @@ class ModelChoices:
     sync_batchnorm: bool = False
 
 
+class FromData:
+    """An example input read only if the plan needs one (a model that is not a Sequential): what the Trainer gives
+    a plan, so that a Sequential's run does not read its data set in the kernel's path."""
+
+    def __init__(self, read):
+        self.read = read
+
+
 class ModelReading:
     """The model a plan is made of, read and checked (see the module docstring)."""
 
@@ -40,7 +48,10 @@ class ModelReading:
         self.dp, self.microbatches = layout.dp, layout.microbatches
         self.model = build(model_fn)
         self.flat = is_flat(self.model)
-        self.example = checked_example(self.model, choices.example_input)
+        example = choices.example_input
+        if isinstance(example, FromData):
+            example = None if self.flat else example.read()
+        self.example = checked_example(self.model, example)
         self.units = list(Structure.of(self.model, self.example).units)
         self.tied = tied_groups(self.model)
         self.tp_styles = self._tp_styles(choices.tp_plan)

@@ -20,18 +20,6 @@ def read(cluster, data_fn, label: str, loss_fn):
     return said["example"]
 
 
-def sequential(model_fn) -> bool:
-    """Whether model_fn builds an nn.Sequential, read on the meta device (no memory); False where it cannot be."""
-    import torch
-    from torch import nn
-
-    try:
-        with torch.device("meta"):
-            return isinstance(model_fn(), nn.Sequential)
-    except Exception:  # noqa: BLE001 - the plan builds it for real and says what it raised
-        return False
-
-
 def pipeline_shapes(trainer, data_fn, loss_fn, batch_size: int, precision: str, eval_data_fn=None) -> dict:
     """Each pipeline stage's message shape for this batch, from the data set's samples (read on rank 0).
     Evaluation runs through the same stages with the same messages: its samples must be shaped alike. A

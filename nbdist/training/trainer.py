@@ -94,8 +94,7 @@ class Trainer:
         if c.dir:
             c = self.checkpointing = replace(c, dir=checkpoints.writable(c.dir))  # one line if it cannot be
         self.id = f"train{next(_numbers)}"
-        self.loss_fn = loss_fn
-        self.example = samples.read(self.cluster, data_fn, "data_fn", loss_fn)  # two samples: the plan's profile
+        self.loss_fn, self.data_fn, self._example = loss_fn, data_fn, None
         self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else o.grad_accum
@@ -138,6 +137,7 @@ class Trainer:
     def _plan(self, model_fn, plan, grad_accum: int, sync: str):
         """The Plan of this run (checked in the kernel; nothing built yet), or None for the asynchronous modes."""
         from nbdist.sharding.plan import Plan, shard
+        from nbdist.sharding.reading import FromData
 
         world = self.cluster.world_size
         if isinstance(plan, Layout):  # the same choices as a dict of nbdist.shard's keywords
@@ -149,7 +149,7 @@ class Trainer:
             return None
         # a model that is not a Sequential is profiled on the data's own samples (where the plan gives none); a
         # Sequential's input is made as before, so a sample it cannot take is said as the ranks say it
-        example = {} if samples.sequential(model_fn) else {"example_input": self.example[0]}
+        example = {"example_input": FromData(lambda: self.example[0])}
         if plan is None:
             return shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster, **example)
         if isinstance(plan, dict):
@@ -161,6 +161,14 @@ class Trainer:
             raise DistUsageError(f"grad_accum={grad_accum} but the plan has microbatches={plan.microbatches}: give "
                                  "it in one place")
         return plan
+
+    @property
+    def example(self):
+        """The data set's first two samples as the loop batches them, (inputs, targets or None), read on rank 0 when
+        first needed (a model that is not a Sequential is profiled on them; a pipeline sizes its messages by them)."""
+        if self._example is None:
+            self._example = samples.read(self.cluster, self.data_fn, "data_fn", self.loss_fn)
+        return self._example
 
     # -- the run ----------------------------------------------------------------------------------------------
 
