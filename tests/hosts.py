@@ -94,6 +94,21 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, check=check, timeout=30)
 
 
+# Not the module `random`: code under test seeds it (a Trainer's inputs), and a seeded draw gave two runs the same
+# subnet, so a bridge left by a killed run shadowed the next run's hosts (CI, 2026-12-07).
+_RANDOM = random.SystemRandom()
+
+
+def _free_subnet() -> str:
+    """A private /24 no route here uses yet (one left by a killed run included)."""
+    routes = _run("ip", "-4", "route", "show", "table", "all", check=False).stdout if shutil.which("ip") else ""
+    for _ in range(100):
+        subnet = f"10.{_RANDOM.randrange(100, 250)}.{_RANDOM.randrange(1, 250)}"
+        if f"{subnet}." not in routes:
+            return subnet
+    raise HostsUnavailable("no free 10.x.y.0/24 subnet for the test hosts")
+
+
 @dataclass
 class SshHosts(Made):
     """`count` hosts with sshd, made on entering and removed on leaving (also after a failed start)."""
@@ -104,9 +119,9 @@ class SshHosts(Made):
     _daemons: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+        tag = f"{os.getpid() % 10000}{_RANDOM.randrange(100)}"
         self.bridge = f"nbdbr{tag}"[:15]
-        self.subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
+        self.subnet = _free_subnet()
         self.gateway = f"{self.subnet}.1"  # this namespace's address on the bridge: where the kernel listens
         self.hosts = [Host(f"nbdist-host{i + 1}", f"nbdh{tag}x{i + 1}", f"{self.subnet}.{i + 2}")
                       for i in range(self.count)]
@@ -171,13 +186,14 @@ class SshHosts(Made):
              f"hostname {host.name} && exec {SSHD} -D -e -f {config}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def _wait_for_sshd(self, seconds: float = 15.0) -> None:
+    def _wait_for_sshd(self, seconds: float = 30.0) -> None:
         deadline = time.monotonic() + seconds
         for host in self.hosts:
-            while _run(str(self.ssh), host.address, "true", check=False).returncode != 0:
+            while (tried := _run(str(self.ssh), host.address, "true", check=False)).returncode != 0:
                 if time.monotonic() > deadline:
-                    log = (self.folder / f"{host.name}.log").read_text()[-500:]
-                    raise HostsUnavailable(f"sshd on {host.name} ({host.address}) did not answer: {log}")
+                    log = (self.folder / f"{host.name}.log").read_text()[-300:].strip()
+                    raise HostsUnavailable(f"sshd on {host.name} ({host.address}) did not answer: ssh said "
+                                           f"{tried.stderr.strip()[-300:]!r}; sshd's log: {log!r}")
                 time.sleep(0.1)
 
     def close(self) -> None:

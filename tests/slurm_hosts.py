@@ -100,7 +100,7 @@ class SlurmHosts(Made):
         key.chmod(0o400)
         nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.address} CPUs={self.cpus} State=UNKNOWN"
                           for h in self.hosts.hosts)
-        port = random.randrange(20000, 40000)
+        port = random.SystemRandom().randrange(20000, 40000)  # not the seeded module's draw
         (self.folder / "slurm.conf").write_text(SLURM_CONF.format(
             controller=os.uname().nodename, gateway=self.hosts.gateway, ctld_port=port, slurmd_port=port + 1,
             folder=self.folder, nodes=nodes))
