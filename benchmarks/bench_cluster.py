@@ -37,7 +37,7 @@ import ipyparallel as ipp  # imported before any timing
 from common import Measure, Run
 
 import nbdist
-from nbdist.cluster import launch
+from nbdist.cluster.launching import launch
 from nbdist.cluster.options import find_mpiexec
 
 N_ENGINES = 2

@@ -30,7 +30,7 @@ from bench_cluster import ClusterRun, put_mpiexec_on_path
 from common import Measure, bytecode_kept, rotated
 
 import nbdist
-from nbdist.cluster import launch
+from nbdist.cluster.launching import launch
 
 N = 2
 SETTLE = 2.0  # seconds of quiet before each measurement: a stopped cluster's processes take a moment to go

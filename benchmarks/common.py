@@ -229,7 +229,7 @@ class Run:
 
     def track(self, processes: list[psutil.Process]) -> None:
         """Remember the processes of a cluster this run started, as the library finds them: `cluster.processes()`
-        (for a plain ipyparallel cluster, `nbdist.cluster.launch.processes(cluster)`). The end checks none is left."""
+        (for a plain ipyparallel cluster, `nbdist.cluster.launching.launch.processes(cluster)`). The end checks none is left."""
         self.processes.update((p.pid, p) for p in processes)
 
     def leftovers(self, grace: float = 3.0) -> list[str]:

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nbdist.cluster.ranks import rank_mesh, registry
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.pipeline_parallel.ranks import pairs, pipeline
 from nbdist.pipeline_parallel.ranks.transport import make_transport
+from nbdist.runtime.ranks import registry
 
 KIND = "benchmark"
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -448,7 +449,7 @@ class TorchDataParallel:
     def __init__(self, build: bytes, data_fn: bytes, kind: str, batch: int):
         from torch.nn.parallel import DistributedDataParallel
 
-        from nbdist.cluster.ranks.compat import fully_shard
+        from nbdist.runtime.ranks.compat import fully_shard
 
         self.rank, self.world, self.batch = dist.get_rank(), dist.get_world_size(), batch
         model = cloudpickle.loads(build)()

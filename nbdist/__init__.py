@@ -7,8 +7,8 @@
 Everything a magic does, a function here does too: `start`, `current`, `stop`, `Cluster.run`, `Cluster.execute`.
 
 The package imports its parts on first use (PEP 562): `import nbdist` stays light (no ipyparallel, no torch), and
-the small modules that nbdist's own processes run (`python -m nbdist.cluster.lifeline`, `python -m
-nbdist.cluster.ranks.main`) are not already imported by the package when Python runs them as `__main__` (which would
+the small modules that nbdist's own processes run (`python -m nbdist.cluster.hosts.lifeline`, `python -m
+nbdist.cluster.launching.ranks.main`) are not already imported by the package when Python runs them as `__main__` (which would
 warn).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ _LAZY = {
     "stop": "nbdist.cluster.api",
     "Pipeline": "nbdist.pipeline_parallel.api",
     "Stepper": "nbdist.pipeline_parallel.stepper",
-    "Mesh": "nbdist.cluster.mesh",
+    "Mesh": "nbdist.cluster.meshes.mesh",
     "shard": "nbdist.sharding.plan",
     "Plan": "nbdist.sharding.plan",
     "Trainer": "nbdist.training.trainer",
@@ -73,17 +73,29 @@ def mesh(cluster=None, **dims: int):
     return (cluster or current()).mesh(**dims)
 
 
+def submodules_on_demand(package: str):
+    """A package's `__getattr__` that imports its submodule `name` when first asked (`nbdist.cluster.meshes.mesh`)."""
+
+    def __getattr__(name: str):
+        if not name.startswith("_"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+_submodule = submodules_on_demand(__name__)
+
+
 def __getattr__(name: str):
     """`nbdist.start`, `from nbdist import Cluster`, `nbdist.schedules`, ...: imported when first asked for."""
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"nbdist.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"nbdist.{name}":
-                raise
-    raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+    return _submodule(name)
 
 
 def __dir__() -> list[str]:

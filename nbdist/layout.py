@@ -7,7 +7,7 @@ tp tensor-parallel slices; `balance` optionally gives the layers of each pipelin
 (`Shape.layout`), so a layout chosen in one place is the layout run in the other. Keyword calls
 (`nbdist.shard(model_fn, dp=2, tp=2)`) make one too.
 
-The ranks are laid out as every mesh of nbdist is (cluster/mesh.py): pp outermost, then dp, tp innermost.
+The ranks are laid out as every mesh of nbdist is (cluster/meshes/mesh.py): pp outermost, then dp, tp innermost.
 Plain data; checks are one line each (DistUsageError).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from nbdist.checks import whole_number
-from nbdist.cluster.mesh import Mesh, layout
+from nbdist.cluster.meshes.mesh import Mesh, layout
 from nbdist.cost.memory import check_zero
 from nbdist.errors import DistUsageError
 

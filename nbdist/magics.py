@@ -182,7 +182,7 @@ class DistMagics(Magics):
         _no_arguments("dist_traceback", line)
         import sys
 
-        from nbdist.cluster.remote import last_tracebacks, write_grouped
+        from nbdist.cluster.waiting.remote import last_tracebacks, write_grouped
 
         tracebacks = last_tracebacks()
         if not tracebacks:

@@ -2,7 +2,7 @@
 
 A model builder, a loss or a data set function written in a notebook cell must run on ranks that never saw that
 cell. cloudpickle sends it by value, with what it references. The kernel remembers where each shipped function was
-defined (`defined_in`), so a traceback through it on a rank shows its source (cluster/tracebacks.py) instead of
+defined (`defined_in`), so a traceback through it on a rank shows its source (cluster/waiting/tracebacks.py) instead of
 cloudpickle's "<dynamic-code>". Both halves import this module: it needs cloudpickle only, on first use.
 """
 from __future__ import annotations

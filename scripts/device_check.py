@@ -247,7 +247,7 @@ def on_rank_all_reduce(nbytes: int, reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     device = torch.device(boot().device)
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from gpu_engines import KINDS, start_engine
 
 import nbdist
-from gpu_engines import KINDS, start_engine
 from nbdist.cluster.options import ClusterOptions
 
 TESTS = Path(__file__).resolve().parent
@@ -280,7 +280,7 @@ _LEFT: dict[str, Counter] = defaultdict(Counter)  # test module -> what its test
 def _registry_keys() -> list[tuple[str, str]]:
     """On a rank: what its registry holds, as (kind, name), its own start-up facts left out (the keys only: an
     entry's describe() is Cluster.holdings' to test, not the clean-up's)."""
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     return sorted(key for key in registry._ENTRIES if key[0] != registry.RANK)
 
@@ -360,7 +360,7 @@ def _leave_shared_clusters_as_found(item, before: dict[int, dict | None]) -> Non
         for name in now["meshes"] - state["meshes"]:
             found.meshes.pop(name)
         if left:
-            from nbdist.cluster.ranks import registry
+            from nbdist.runtime.ranks import registry
 
             for kind, name in sorted({(kind, name) for _, kind, name in left}):
                 found.run(registry.drop, kind, name)

@@ -155,7 +155,7 @@ def on_rank_touch_cuda() -> dict:
 
     import torch
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     torch.ones(1, device=boot().device).sum().item()
     return {"pid": os.getpid()}
@@ -168,7 +168,7 @@ def on_rank_collectives(where: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     device = torch.device(boot().device if where == "engine" else "cpu")
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -5,8 +5,8 @@ import time
 
 import psutil
 
-MARKERS = ("ipyparallel.controller", "nbdist.cluster.ranks.main", "nbdist.cluster.lifeline", "hydra_pmi_proxy", "mpiexec",
-           "nbdist.cluster.ranks.zygote", "warm_stub.py")
+MARKERS = ("ipyparallel.controller", "nbdist.cluster.launching.ranks.main", "nbdist.cluster.hosts.lifeline", "hydra_pmi_proxy", "mpiexec",
+           "nbdist.cluster.launching.ranks.zygote", "warm_stub.py")
 
 
 def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:

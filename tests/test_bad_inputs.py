@@ -235,7 +235,7 @@ def test_the_same_failure_on_every_rank_is_said_once_in_the_users_frames(cluster
     assert "site-packages" not in err and "torch/nn" not in err  # torch's own frames hidden...
     assert lines[-1] == "[ranks 0, 1] (3 frames of torch hidden: %dist_traceback shows every frame)"  # ...and said
     assert len(lines) <= 12, err
-    from nbdist.cluster.remote import last_tracebacks
+    from nbdist.cluster.waiting.remote import last_tracebacks
 
     whole = last_tracebacks()
     assert sorted(whole) == [0, 1] and "torch/nn/modules/linear.py" in ANSI.sub("", whole[0])
@@ -285,7 +285,7 @@ def test_the_output_relay_cuts_each_rank_and_stream_once():
     """The cut without a cluster: a rank's stdout past the cap, in pieces and without a newline."""
     import io
 
-    from nbdist.cluster.remote import OutputRelay
+    from nbdist.cluster.waiting.remote import OutputRelay
 
     kept = {}
     relay = OutputRelay([0, 1], {0, 1}, keep=lambda r, s, text: kept.setdefault((r, s), text) and f"/k/{r}", cap=10)
@@ -320,7 +320,7 @@ def test_the_lifeline_server_holds_a_bounded_number_of_waiting_connections_and_a
     open (900 used to hold 850), and an engine's lifeline that connects during the flood is held."""
     from test_lifeline_hosts import _end, _gone_pid, _watched
 
-    from nbdist.cluster.lifeline_server import MAX_PENDING, LifelineServer
+    from nbdist.cluster.hosts.lifeline_server import MAX_PENDING, LifelineServer
 
     server = LifelineServer(handshake_seconds=60)  # the flood's connections would otherwise be dropped as late
     me = psutil.Process()

@@ -77,7 +77,7 @@ BAD_PLANS = [  # (id, shard's arguments, the line)
 
 
 def held(cluster) -> list:
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     return [cluster.run(registry.names, kind) for kind in ("sharded", "pipeline", "trainer")]
 

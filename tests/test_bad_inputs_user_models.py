@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import nbdist
 from test_bad_inputs_sharding import refused
 from user_models import BUILDERS, example
+
+import nbdist
 
 LLAMA, GPT2, RESNET = BUILDERS["llama"], BUILDERS["gpt2"], BUILDERS["resnet"]
 
@@ -94,8 +94,8 @@ def test_a_bad_plan_of_a_users_model_is_one_line(cluster, capfd, options, line):
 def test_a_pipelines_tp_plan_naming_no_module_is_one_line(cluster4):
     """nbdist.pipeline(mesh=..., tp_plan=...) with a name the stage does not have: it trained unsplit without a
     word before."""
-    from nbdist.cluster.ranks import registry
     from nbdist.errors import DistUsageError
+    from nbdist.runtime.ranks import registry
 
     mesh = cluster4.mesh(pp=2, tp=2)
     before = cluster4.run(registry.names, "pipeline")

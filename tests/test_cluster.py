@@ -12,9 +12,9 @@ from kernel_driver import ANSI
 from processes import wait_until_gone
 
 import nbdist
-from nbdist.cluster import lifeline
-from nbdist.cluster.files import remove_stale_profile_dirs
-from nbdist.cluster.launch import _hydra_files
+from nbdist.cluster.hosts import lifeline
+from nbdist.cluster.launching.files import remove_stale_profile_dirs
+from nbdist.cluster.launching.launch import _hydra_files
 from nbdist.errors import DistError, DistUsageError
 
 
@@ -204,10 +204,10 @@ def test_lifeline_removes_only_its_kernels_directory(tmp_path):
 
 
 def test_lifeline_module_runs_without_warning():
-    """`python -m nbdist.cluster.lifeline` (how the controller starts) must not find itself already imported by the
+    """`python -m nbdist.cluster.hosts.lifeline` (how the controller starts) must not find itself already imported by the
     package: that prints a RuntimeWarning into JupyterLab's server log at every stop."""
     run = subprocess.run(
-        [sys.executable, "-W", "error::RuntimeWarning", "-m", "nbdist.cluster.lifeline", str(os.getpid()), "platform"],
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "nbdist.cluster.hosts.lifeline", str(os.getpid()), "platform"],
         capture_output=True, text=True, timeout=60,
     )
     assert (run.returncode, run.stderr) == (0, "")
@@ -231,7 +231,7 @@ def test_subpackages_are_reachable_from_the_package_without_importing_them_first
         "import nbdist\n"
         "print(round(nbdist.schedules.build('gpipe', 2, 2).simulate().bubble_fraction, 6))\n"
         "print(callable(nbdist.collectives.benchmark), callable(nbdist.collectives.trace), nbdist.Mesh.__name__)\n"
-        "print(nbdist.cluster.mesh.layout(4, dp=2, pp=2).groups('pp'))"
+        "print(nbdist.cluster.meshes.mesh.layout(4, dp=2, pp=2).groups('pp'))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -242,7 +242,7 @@ def test_the_users_ipyparallel_settings_reach_the_clusters_own_profile(tmp_path,
     """e.g. a multi-host run's controller_ip, set in the user's profile, still applies to nbdist's cluster."""
     import ipyparallel as ipp
 
-    from nbdist.cluster.files import new_profile_dir
+    from nbdist.cluster.launching.files import new_profile_dir
 
     user_profile = tmp_path / "ipython" / "profile_default"
     user_profile.mkdir(parents=True)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.collectives import benchmark, costmodel, message_counts, trace
-from nbdist.cost import collectives as costs
-from nbdist.collectives.tracing import Trace
-from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.options import ClusterOptions
+from nbdist.collectives import benchmark, costmodel, message_counts, trace
+from nbdist.collectives.tracing import Trace
+from nbdist.cost import collectives as costs
+from nbdist.errors import DistError, DistUsageError
 
 NAMES = ["ring", "tree", "recursive-doubling"]
 RANKS = [2, 3, 4, 5, 6, 8]
@@ -96,8 +96,8 @@ def _direct_call(name: str, n: int):
     import torch
     import torch.distributed as dist
 
+    from nbdist.cluster.meshes.ranks import groups
     from nbdist.collectives.ranks import allreduce
-    from nbdist.cluster.ranks import groups
 
     group = groups.first_ranks(n)
     if dist.get_rank() >= n:

@@ -197,7 +197,7 @@ def test_mixed_precision_trains_on_the_device(engine, precision):
 
 
 def on_rank_sharded_devices(name: str) -> list[str]:
-    from nbdist.cluster.ranks import placement, registry
+    from nbdist.runtime.ranks import placement, registry
     from nbdist.sharding.ranks import sharded
 
     model = registry.get(sharded.KIND, name)
@@ -355,7 +355,7 @@ def test_stepper_clicks_on_the_device_equal_a_full_step(engine):
 
 
 def on_rank_sample() -> dict:
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
     from nbdist.training.ranks import telemetry
 
     sampler = telemetry.Sampler(placement.here())
@@ -413,7 +413,7 @@ def test_the_plan_profiles_on_the_engine_device(engine):
 
 
 def on_rank_memory_total() -> int:
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
 
     return placement.free_bytes()[1]
 
@@ -430,7 +430,7 @@ def test_the_local_hardware_profile_measures_one_engine_on_its_device(engine):
 def on_rank_clip(max_norm: float) -> dict:
     import torch
 
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
     from nbdist.training.ranks.training import clip_gradients
 
     device = placement.here()
@@ -464,8 +464,8 @@ def on_rank_torch_sharding() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from nbdist.cluster.ranks import placement
-    from nbdist.cluster.ranks.compat import fully_shard
+    from nbdist.runtime.ranks import placement
+    from nbdist.runtime.ranks.compat import fully_shard
 
     device = placement.here()
     mesh = init_device_mesh(device.type, (1,))

@@ -1,8 +1,8 @@
 """The device rules that hold on GPUs this machine does not have, tried here as pure functions of the numbers:
-which device the GPU-sync thread waits for (cluster/ranks/gpu_sync.py), which NVML device a CUDA index is under
-any CUDA_VISIBLE_DEVICES (cluster/ranks/devices.py nvml_device, used by boot.py and the training telemetry), what
+which device the GPU-sync thread waits for (cluster/waiting/ranks/gpu_sync.py), which NVML device a CUDA index is under
+any CUDA_VISIBLE_DEVICES (runtime/ranks/devices.py nvml_device, used by boot.py and the training telemetry), what
 the telemetry reports where NVML gives no utilisation, the hardware profiles' memory units (cost/hardware.py), and
-where FSDP2's fully_shard is found (cluster/ranks/compat.py), and the mpi4py backend's refusal of tensors that are
+where FSDP2's fully_shard is found (runtime/ranks/compat.py), and the mpi4py backend's refusal of tensors that are
 not in CPU memory (backend/ranks/mpi_data.py on_cpu), on real engines.
 
 Each GPU path has a CPU twin here (NVML and CUDA calls replaced by recorders and a fake NVML), and a check marked
@@ -21,11 +21,12 @@ import pytest
 import torch
 from gpu_engines import cuda_only, skip_without_cuda, start_cluster
 
-from nbdist.cluster.ranks import boot as booting
-from nbdist.cluster.ranks import compat, gpu_sync
-from nbdist.cluster.ranks.devices import nvml_device
+from nbdist.cluster.launching.ranks import boot as booting
+from nbdist.cluster.waiting.ranks import gpu_sync
 from nbdist.cost import hardware
 from nbdist.errors import DistUsageError
+from nbdist.runtime.ranks import compat
+from nbdist.runtime.ranks.devices import nvml_device
 from nbdist.training.ranks import telemetry
 from nbdist.viz.training import trace_values, training_figure
 
@@ -69,8 +70,8 @@ def on_rank_synchronise() -> dict:
 
     import torch
 
-    from nbdist.cluster.ranks import gpu_sync
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
+    from nbdist.cluster.waiting.ranks import gpu_sync
 
     real, asked = torch.cuda.synchronize, []
 
@@ -246,8 +247,8 @@ def on_rank_nvml_identity() -> dict:
     import pynvml
     import torch
 
-    from nbdist.cluster.ranks import placement
-    from nbdist.cluster.ranks.boot import nvml_handle
+    from nbdist.cluster.launching.ranks.boot import nvml_handle
+    from nbdist.runtime.ranks import placement
     from nbdist.training.ranks import telemetry
 
     device = placement.here()
@@ -435,4 +436,4 @@ def test_zero_takes_fully_shard_from_compat():
 
     from nbdist.data_parallel.ranks import zero
 
-    assert "from nbdist.cluster.ranks.compat import fully_shard" in inspect.getsource(zero.shard)
+    assert "from nbdist.runtime.ranks.compat import fully_shard" in inspect.getsource(zero.shard)

@@ -1,4 +1,4 @@
-"""Devices and backends (nbdist/cluster/ranks/devices.py, boot.py, cluster/options.py): one GPU per engine, "cpu:gloo,cuda:nccl"
+"""Devices and backends (nbdist/runtime/ranks/devices.py, boot.py, cluster/options.py): one GPU per engine, "cpu:gloo,cuda:nccl"
 on GPU engines, honest refusals.
 
 No GPU here, so the GPU rules are checked with the GPU count injected (they are pure functions of it), and what
@@ -18,10 +18,19 @@ from test_hooks import assert_params_close, build_model, serial
 
 import nbdist
 from nbdist.cluster.api import Status
-from nbdist.cluster.ranks import devices
-from nbdist.cluster.ranks.devices import CPU_BACKEND, CPU_ENGINE, GPU_BACKEND, MPI_ENGINE, Binding, backend_for, bind, check_world
-from nbdist.errors import DistError, DistUsageError
 from nbdist.cluster.options import ClusterOptions
+from nbdist.errors import DistError, DistUsageError
+from nbdist.runtime.ranks import devices
+from nbdist.runtime.ranks.devices import (
+    CPU_BACKEND,
+    CPU_ENGINE,
+    GPU_BACKEND,
+    MPI_ENGINE,
+    Binding,
+    backend_for,
+    bind,
+    check_world,
+)
 
 # -- which device, which backend (GPU count injected) ------------------------------------------------------------
 
@@ -185,7 +194,7 @@ def _cpu_tensors_and_backend() -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     t = torch.ones(2) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -222,10 +231,10 @@ def _device_map_group() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.data_parallel.ranks import hooks
     from nbdist.collectives.ranks.collective_timing import Collective
-    from nbdist.cluster.ranks.devices import backend_for
+    from nbdist.data_parallel.ranks import hooks
     from nbdist.errors import DistUsageError
+    from nbdist.runtime.ranks.devices import backend_for
 
     group = dist.new_group(backend="cpu:gloo")  # collective: every rank
     t = torch.ones(3) * (dist.get_rank() + 1)

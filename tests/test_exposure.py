@@ -26,8 +26,8 @@ import pytest
 from hosts import SshHosts, made_or_skip
 
 import nbdist
-from nbdist.cluster import launch
-from nbdist.cluster.lifeline import ADDRESS_ENV
+from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
+from nbdist.cluster.launching import launch
 from nbdist.cluster.options import ClusterOptions
 
 _PIDFD_GETFD = 438  # the same number on every Linux architecture
@@ -187,7 +187,7 @@ def two_hosts():
 def _default_store() -> tuple[str, bool]:
     """On a rank: the kind of store its default process group was formed through (a store written in Python, as
     nbdist's over MPI, shows as torch's base class 'Store'), and whether this rank serves the keys (rank 0's
-    thread of cluster/ranks/mpi_store.py)."""
+    thread of cluster/hosts/ranks/mpi_store.py)."""
     import threading
 
     import torch.distributed as dist

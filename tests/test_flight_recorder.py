@@ -150,7 +150,7 @@ WAIT_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], [
               [f"{NBDIST}/backend/ranks/waiting.py", 120, "_poll", "while not test():"]]
 RUN_STACK = [["/x/site-packages/ipykernel/kernelbase.py", 1, "dispatch", ""], ["cell In[3]", 5, "<module>", "g()"],
              ["/home/u/train.py", 88, "step", "x = model(x)"]]
-IDLE_STACK = [[f"{NBDIST}/cluster/ranks/main.py", 34, "main", ""], ["/x/site-packages/tornado/ioloop.py", 1, "x", ""]]
+IDLE_STACK = [[f"{NBDIST}/cluster/launching/ranks/main.py", 34, "main", ""], ["/x/site-packages/tornado/ioloop.py", 1, "x", ""]]
 
 
 def test_the_sentence_names_the_rank_that_never_reached_the_collective():

@@ -133,7 +133,7 @@ def on_rank_versions() -> dict:
     """What the engine runs: torch, its CUDA and NCCL, the device's name (each feature-tested: any torch)."""
     import torch
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     out = {"torch": torch.__version__, "cuda": getattr(torch.version, "cuda", None), "device": boot().device}
     if out["device"].startswith("cuda"):
@@ -152,7 +152,7 @@ def on_rank_ddp_hooks(steps: int, atol: float) -> tuple[str, dict]:
     import torch
     from torch import nn
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
     from nbdist.data_parallel.ranks import hooks
     from nbdist.data_parallel.ranks.ddp import ddp
     from nbdist.errors import DistUsageError

@@ -205,7 +205,7 @@ def on_rank_synchronised_step(args: tuple) -> dict:
 
     import torch
 
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
     from nbdist.pipeline_parallel.ranks import pipeline
 
     on_gpu = boot().device.startswith("cuda")

@@ -1,11 +1,11 @@
 """What of the GPU paths a CPU cluster can prove: after a rank fails, a GPU cluster's waiter asks every rank to
-synchronise (cluster/ranks/gpu_sync.py) and says what it did; on CPU ranks that synchronise is immediate and true."""
+synchronise (cluster/waiting/ranks/gpu_sync.py) and says what it did; on CPU ranks that synchronise is immediate and true."""
 import pytest
 
 import nbdist
-from nbdist.cluster.ranks import gpu_sync
 from nbdist.cluster.options import ClusterOptions
-from nbdist.cluster.remote import Waiter
+from nbdist.cluster.waiting.ranks import gpu_sync
+from nbdist.cluster.waiting.remote import Waiter
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def two():
 
 
 def fail_on_rank_one(rank_of):
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     if boot().rank == rank_of:
         raise ValueError("boom")

@@ -81,7 +81,7 @@ def test_the_view_is_ready_within_the_timeout_plus_two_seconds(cluster4):
 
 MESH_CELL = """
 import torch, torch.distributed as dist
-from nbdist.cluster.ranks.rank_mesh import here
+from nbdist.cluster.meshes.ranks.rank_mesh import here
 me = here("{name}")
 t = torch.ones(8)
 if dist.get_rank() != 3:

@@ -380,7 +380,7 @@ def _train_replica(where, hook: str, steps: int, **options) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.cluster.ranks import groups, rank_mesh
+    from nbdist.cluster.meshes.ranks import groups, rank_mesh
     from nbdist.data_parallel.ranks.hooks import register_hook
 
     if isinstance(where, list):

@@ -174,7 +174,7 @@ def test_killing_the_kernel_gives_the_allocation_back_and_leaves_nothing(slurm):
 
 
 def test_slurm_choices_and_their_refusals():
-    from nbdist.cluster.slurm import SlurmRequest
+    from nbdist.cluster.hosts.slurm import SlurmRequest
 
     request = ClusterOptions(slurm={"nodes": 2, "gpus_per_node": 4, "time": "00:30:00", "salloc_args": "--exclusive"})
     assert request.slurm.engines == 8 and request.multi_host()

@@ -244,7 +244,7 @@ def test_engines_killed_on_one_host_are_named_with_their_rank_and_host(hosts):
     cluster = start_on(hosts, 1)
     try:
         victim = hosts.hosts[1]
-        ranks = [p for p in set(hosts.engine_pids(victim)) - before if "nbdist.cluster.ranks.main" in _command(p)]
+        ranks = [p for p in set(hosts.engine_pids(victim)) - before if "nbdist.cluster.launching.ranks.main" in _command(p)]
         assert len(ranks) == 1, ranks
         threading.Timer(1.0, os.kill, (ranks[0], signal.SIGKILL)).start()
         started = time.monotonic()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nbdist import models
-from nbdist.cluster.ranks import devices
 from nbdist.collectives.sweep import busbw_factor
+from nbdist.runtime.ranks import devices
 from nbdist.sharding.memory import predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input
 from nbdist.training.ranks.loss_scaling import AgreeingGradScaler

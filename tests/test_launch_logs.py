@@ -8,7 +8,7 @@ import os
 
 import ipyparallel as ipp
 
-from nbdist.cluster.launch import _ipp_cluster
+from nbdist.cluster.launching.launch import _ipp_cluster
 from nbdist.cluster.options import ClusterOptions
 
 

@@ -5,7 +5,7 @@ The rule (ARCHITECTURE.md): code under a `ranks/` folder runs ON the engines (to
 outside runs in the kernel (or is plain data that runs anywhere) and imports neither torch.distributed nor mpi4py at
 module level. A rank module imports rank modules, the plain data every floor shares, and its own feature's shared
 part (a spec), never a kernel-only module. A kernel module may refer to a rank function to send it
-(`cluster.run(nbdist.cluster.ranks.boot.info)`) but defines none of its own to send.
+(`cluster.run(nbdist.cluster.launching.ranks.boot.info)`) but defines none of its own to send.
 
 Imports are read with `ast` from every nbdist/**/*.py, at module level and inside functions; only `if
 TYPE_CHECKING:` blocks are left out (they never run). The viz check runs real imports in a fresh interpreter.
@@ -24,14 +24,14 @@ import pytest
 import nbdist
 
 PACKAGE = Path(nbdist.__file__).parent
-KERNEL_ONLY = ("nbdist.cluster.api", "nbdist.cluster.lifeline_server", "nbdist.cluster.remote", "nbdist.cluster.launch",
+KERNEL_ONLY = ("nbdist.cluster.api", "nbdist.cluster.hosts.lifeline_server", "nbdist.cluster.waiting.remote", "nbdist.cluster.launching.launch",
                "nbdist.widgets", "nbdist.viz", "nbdist.magics", "nbdist.collectives.sweep",
                "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.sharding.plan",
                "nbdist.sharding.sharded", "nbdist.sharding.widget", "nbdist.pipeline_parallel.api",
                "nbdist.pipeline_parallel.view", "nbdist.training.trainer", "nbdist.training.dashboard",
                "nbdist.training.checkpoints", "nbdist.planner")
 ENGINE_ONLY_LIBRARIES = ("torch.distributed", "torch.nn.parallel", "mpi4py")  # torch.nn.parallel: DDP
-COMPUTING = ("nbdist.cluster.api", "nbdist.cluster.remote", "nbdist.cluster.launch", "nbdist.collectives.sweep",
+COMPUTING = ("nbdist.cluster.api", "nbdist.cluster.waiting.remote", "nbdist.cluster.launching.launch", "nbdist.collectives.sweep",
              "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.pipeline_parallel")
 SENDERS = ("run", "run_each", "apply", "apply_async", "apply_sync", "map", "map_async")  # ways to ship a function
 # The imports that run back up the folders' layers, each with its reason (ARCHITECTURE.md names them too).
@@ -188,11 +188,11 @@ def test_the_reader_finds_imports_at_both_levels():
     assert "nbdist.collectives.ops" in sweep.of_nbdist(module_level_only=True)
     assert "nbdist.collectives.ranks.collective_timing" in sweep.of_nbdist() - sweep.of_nbdist(module_level_only=True)
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    sample = read("nbdist.sample", "from nbdist.cluster.ranks import boot\ndef f(): pass\n"
+    sample = read("nbdist.sample", "from nbdist.cluster.launching.ranks import boot\ndef f(): pass\n"
                                    "def g(cluster, h):\n    cluster.run(f); cluster.run(h); cluster.run(lambda: 1)\n"
                                    "    cluster.run(boot.info)\n")
     assert [name for name, _ in sample.sent_own] == ["f", "lambda"]  # h is a parameter, boot.info rank code
-    assert sample.found == [("nbdist.cluster.ranks.boot", 1, True)]
+    assert sample.found == [("nbdist.cluster.launching.ranks.boot", 1, True)]
 
 
 # -- (c) the engines' code and the kernel's, by path ---------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_rank_module_imports_only_its_own_features_shared_part(module):
 
 SHARED = {m for m in MODULES if within(m, ("nbdist.errors", "nbdist.checks", "nbdist.units", "nbdist.wire",
                                            "nbdist.models", "nbdist.data", "nbdist.schedules", "nbdist.cost",
-                                           "nbdist.layout", "nbdist.cluster.mesh"))}  # plain data, every floor
+                                           "nbdist.layout", "nbdist.cluster.meshes.mesh"))}  # plain data, every floor
 
 
 # -- (d) the folders stand in layers ----------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.cluster.mesh import layout as mesh_layout
+from nbdist.cluster.meshes.mesh import layout as mesh_layout
 from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
-from nbdist.planner.model import gpt
 from nbdist.planner.layout import shape
+from nbdist.planner.model import gpt
 
 
 def test_a_layout_from_keywords_a_dict_or_a_layout_is_the_same():

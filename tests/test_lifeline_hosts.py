@@ -6,7 +6,7 @@ lifeline watched that pid and ended its process at once; the new one holds a TCP
 lifeline server and ends its process when the kernel dies (SIGKILL included), and never for a stranger's server.
 Real processes and sockets throughout; the cluster tests start real MPI engines.
 
-Run as a module (`python -m nbdist.cluster.lifeline PID test_lifeline_hosts`) this file is the watched program: it says
+Run as a module (`python -m nbdist.cluster.hosts.lifeline PID test_lifeline_hosts`) this file is the watched program: it says
 it is running, then sleeps.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ SLEEP_SECONDS = 120
 
 FAKE_KERNEL = """
 import json, sys, time
-from nbdist.cluster.lifeline import HOST_ENV, WATCH_ENV
-from nbdist.cluster.lifeline_server import LifelineServer
+from nbdist.cluster.hosts.lifeline import HOST_ENV, WATCH_ENV
+from nbdist.cluster.hosts.lifeline_server import LifelineServer
 server = LifelineServer("127.0.0.1")
 env = server.environment()
 env.update({HOST_ENV: sys.argv[1], WATCH_ENV: sys.argv[2]})
@@ -55,9 +55,9 @@ def _fake_kernel(host_name: str) -> tuple[subprocess.Popen, dict[str, str]]:
 
 
 def _watched(env: dict[str, str], pid: int | str) -> subprocess.Popen:
-    """`python -m nbdist.cluster.lifeline PID test_lifeline_hosts` (this file, which sleeps) with `env` on top of ours."""
+    """`python -m nbdist.cluster.hosts.lifeline PID test_lifeline_hosts` (this file, which sleeps) with `env` on top of ours."""
     paths = os.pathsep.join([str(ROOT), str(TESTS)])
-    proc = subprocess.Popen([sys.executable, "-m", "nbdist.cluster.lifeline", str(pid), "test_lifeline_hosts"],
+    proc = subprocess.Popen([sys.executable, "-m", "nbdist.cluster.hosts.lifeline", str(pid), "test_lifeline_hosts"],
                             env={**os.environ, **env, "PYTHONPATH": paths}, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc
@@ -98,7 +98,7 @@ def test_a_process_for_a_kernel_elsewhere_lives_with_it_and_exits_when_it_is_kil
 
 def test_on_the_kernels_host_the_pid_is_watched_not_the_server():
     """Same host name: the pid watch (instant, no socket), even though a lifeline server is named."""
-    from nbdist.cluster.lifeline_server import LifelineServer
+    from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
     server = LifelineServer()
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -116,7 +116,7 @@ def test_on_the_kernels_host_the_pid_is_watched_not_the_server():
 
 def test_a_wrong_token_is_not_a_lifeline():
     """The process given a wrong token is refused and ends (it must not run unwatched), saying so in one line."""
-    from nbdist.cluster.lifeline_server import LifelineServer
+    from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
     server = LifelineServer()
     env = {**server.environment(), "NBDIST_KERNEL_HOST": "kernel-elsewhere", "NBDIST_LIFELINE_TOKEN": "0" * 32}
@@ -134,7 +134,7 @@ def test_a_wrong_token_is_not_a_lifeline():
 
 
 def test_the_server_holds_only_connections_that_say_the_token():
-    from nbdist.cluster.lifeline_server import LifelineServer
+    from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
     server = LifelineServer(handshake_seconds=0.5)
     try:
@@ -170,7 +170,7 @@ def _line(conn: socket.socket) -> bytes:
 
 def test_the_controllers_connection_info_reaches_every_lifeline_once_before_or_after_it_is_published():
     """Engines on other hosts register with what comes down their lifeline, not with a file they cannot read."""
-    from nbdist.cluster.lifeline_server import LifelineServer
+    from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
     info = {"interface": "tcp://10.0.0.1", "registration": 41234, "key": "k" * 32}
     server = LifelineServer()
@@ -225,7 +225,7 @@ def _wait_for(condition, timeout: float = 5.0) -> bool:
 
 
 def _lifeline_threads() -> int:
-    from nbdist.cluster.lifeline_server import THREAD_NAME
+    from nbdist.cluster.hosts.lifeline_server import THREAD_NAME
 
     return sum(1 for t in threading.enumerate() if t.name == THREAD_NAME)
 
@@ -236,8 +236,8 @@ def _listening_ports() -> set[int]:
 
 def _engines(procs: list[psutil.Process]) -> list[psutil.Process]:
     """The ranks themselves (mpiexec's command line names the engine module too; a rank forked from the kernel shows
-    its command line as one string: cluster/ranks/zygote.py)."""
-    return [p for p in procs if " ".join(p.cmdline()).split()[1:3] == ["-m", "nbdist.cluster.ranks.main"]]
+    its command line as one string: cluster/launching/ranks/zygote.py)."""
+    return [p for p in procs if " ".join(p.cmdline()).split()[1:3] == ["-m", "nbdist.cluster.launching.ranks.main"]]
 
 
 def _lifeline_links(engine: psutil.Process, port: int) -> int:
@@ -248,10 +248,10 @@ def _lifeline_links(engine: psutil.Process, port: int) -> int:
 
 def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int], int]:
     """Start a real 2-engine cluster, return its lifeline port, each engine's connections to it (its lifeline, if it
-    holds one, and its inspector's line: cluster/ranks/inspector.py) and how many lifelines the server holds; stop it."""
+    holds one, and its inspector's line: cluster/waiting/ranks/inspector.py) and how many lifelines the server holds; stop it."""
     import nbdist
-    from nbdist.cluster import launch
-    from nbdist.cluster.lifeline import ADDRESS_ENV
+    from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
+    from nbdist.cluster.launching import launch
 
     threads = _lifeline_threads()
     with nbdist.Cluster(nbdist.cluster.options.ClusterOptions(n=2, mpi_args=mpi_args)) as c:

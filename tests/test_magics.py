@@ -11,7 +11,7 @@ from kernel_driver import KernelDriver
 from processes import wait_until_gone
 
 # What a user must never see unless they ask (NBDIST_DEBUG=1): the way through nbdist and ipyparallel.
-INTERNALS = ("cluster/remote.py", "cluster/api.py", "magics.py", "cluster/launch.py", "asyncresult.py", "threading.py", "ipyparallel")
+INTERNALS = ("cluster/waiting/remote.py", "cluster/api.py", "magics.py", "cluster/launching/launch.py", "asyncresult.py", "threading.py", "ipyparallel")
 
 ALL_REDUCE_CELL = """%%dist
 import torch, torch.distributed as dist
@@ -213,7 +213,7 @@ def test_nbdist_debug_shows_the_full_traceback(started):
     finally:
         started.execute("%env NBDIST_DEBUG=")
     assert "Traceback (most recent call last)" in "\n".join(nbdist_lines(shown))  # the kernel's own traceback
-    for name in ("cluster/api.py", "cluster/remote.py"):
+    for name in ("cluster/api.py", "cluster/waiting/remote.py"):
         assert name in "\n".join(nbdist_lines(shown))
     assert "[rank 1] File " in shown and "ipyparallel" in shown  # the ranks' frames through ipyparallel too
 

@@ -1,4 +1,4 @@
-"""What a rank holds, measured (nbdist/cluster/ranks/memory.py): parameters, gradients and optimizer state by storage, and
+"""What a rank holds, measured (nbdist/runtime/ranks/memory.py): parameters, gradients and optimizer state by storage, and
 the activations autograd saves for backward. In one process against hand counts; on a real 2-rank cluster,
 ZeroRedundancyOptimizer and FSDP2 against what the plan predicts for them (nbdist/sharding/memory.py)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from test_predict import gpt, tokens
 from torch import nn
 
-from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
+from nbdist.runtime.ranks.memory import ActivationMeter, state_bytes
 from nbdist.sharding.memory import predict_memory, zero1_shares
 from nbdist.sharding.profile import profile_layers
 
@@ -102,7 +102,7 @@ def zero1_on_rank(build, x, y) -> dict:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from nbdist.cluster.ranks.memory import state_bytes
+    from nbdist.runtime.ranks.memory import state_bytes
 
     model = build()
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
@@ -118,8 +118,8 @@ def fsdp2_on_rank(build, x, y, reshard: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nbdist.cluster.ranks.memory import state_bytes
     from nbdist.data_parallel.ranks import zero
+    from nbdist.runtime.ranks.memory import state_bytes
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = zero.shard(build(), mesh, 3 if reshard else 2)  # per layer and the root; 3 reshards after forward
@@ -142,7 +142,7 @@ def tensor_parallel_on_rank(build, x) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
+    from nbdist.runtime.ranks.memory import ActivationMeter, state_bytes
     from nbdist.tensor_parallel.pairs import tp_plan
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -3,9 +3,8 @@ hold exactly the ranks the layout says, in coordinate order, and the engine regi
 import pytest
 
 import nbdist
+from nbdist.cluster.meshes.mesh import layout
 from nbdist.errors import DistUsageError
-from nbdist.cluster.mesh import layout
-
 
 # -- the layout (plain data) ---------------------------------------------------------------------------------------
 
@@ -72,7 +71,7 @@ def _view(m):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from nbdist.cluster.ranks import rank_mesh
+    from nbdist.cluster.meshes.ranks import rank_mesh
 
     me = rank_mesh.here(m)
     out = {"coords": me.coords}

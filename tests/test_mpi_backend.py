@@ -26,9 +26,9 @@ def every_op(k: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks import groups
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     mpi_backend.register()
     ranks = list(range(k))
@@ -273,9 +273,9 @@ def ddp_steps() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nbdist.cluster.ranks import groups
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     mpi_backend.register()
     world = list(range(dist.get_world_size()))
@@ -302,9 +302,9 @@ def in_groups(kind: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks import groups
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     mpi_backend.register()
     layouts = ([0, 2], [1, 3], [1, 2, 3])
@@ -337,9 +337,9 @@ def waits_in_all_reduce(fail_rank: int):
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks import groups
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     mpi_backend.register()
     pair = registry.get_or_make("group", "test-mpi4py:pair", lambda: groups.Held(
@@ -356,7 +356,7 @@ def all_reduce_on(name: str):
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     pair = registry.get("group", name).handle
     if dist.get_rank() not in (0, 1):
@@ -370,7 +370,7 @@ def keep(value=None) -> tuple:
     """Keep `value` in this rank's registry (when given); return (pid, what is kept)."""
     import os
 
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     if value is not None:
         registry.put("test", "kept", value)
@@ -390,9 +390,9 @@ def alone_in_a_short_group():
     import torch
     import torch.distributed as dist
 
-    from nbdist.cluster.ranks import groups
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     mpi_backend.register()
     short = registry.get_or_make("group", "test-mpi4py:short", lambda: groups.Held("test short", (0, 1), dist.new_group(

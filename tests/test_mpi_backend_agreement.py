@@ -187,7 +187,8 @@ def _one_rank_elsewhere() -> str:
     import torch.distributed as dist
 
     from nbdist.backend.ranks import mpi_backend
-    from nbdist.cluster.ranks import groups, registry
+    from nbdist.cluster.meshes.ranks import groups
+    from nbdist.runtime.ranks import registry
 
     short = registry.get_or_make("group", "test-roll-call", lambda: groups.Held(
         "test roll call", (0, 1, 2, 3), dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=2)))).handle

@@ -1,5 +1,5 @@
 """MPICH's shared-memory files that a killed start leaves in /dev/shm are removed, and only those
-(nbdist/cluster/mpi_segments.py): files of this user that no live process maps or holds open.
+(nbdist/cluster/launching/mpi_segments.py): files of this user that no live process maps or holds open.
 
 The files here are real files in /dev/shm under MPICH's prefix, mapped or held open by real processes; the last test
 starts real launched ranks (not forked), which remove their host's stale files before MPI starts. The removal after
@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 import nbdist
-from nbdist.cluster import mpi_segments
+from nbdist.cluster.launching import mpi_segments
 from nbdist.cluster.options import ClusterOptions
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")

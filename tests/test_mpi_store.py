@@ -1,4 +1,4 @@
-"""The rendezvous store carried over MPI (cluster/ranks/mpi_store.py), on real engines: torch's Store interface as
+"""The rendezvous store carried over MPI (cluster/hosts/ranks/mpi_store.py), on real engines: torch's Store interface as
 torch's own stores answer it, gloo formed through it, and a wait for a key nobody sets ends in one line.
 
 Off the kernel's host (other hosts, several hosts) it is every cluster's rendezvous: no socket opened for it (the
@@ -15,7 +15,7 @@ def _store_calls() -> dict:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from nbdist.cluster.ranks.mpi_store import over_mpi
+    from nbdist.cluster.hosts.ranks.mpi_store import over_mpi
 
     world = MPI.COMM_WORLD
     store = over_mpi(world, datetime.timedelta(seconds=30))
@@ -75,7 +75,7 @@ def _gloo_through_the_store() -> list[float]:
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from nbdist.cluster.ranks.mpi_store import over_mpi
+    from nbdist.cluster.hosts.ranks.mpi_store import over_mpi
 
     world = MPI.COMM_WORLD
     ours = over_mpi(world, datetime.timedelta(seconds=30))
@@ -97,7 +97,7 @@ def test_a_value_that_is_not_bytes_is_one_line(cluster, value, says):
     def bad_set(v):
         from mpi4py import MPI
 
-        from nbdist.cluster.ranks.mpi_store import over_mpi
+        from nbdist.cluster.hosts.ranks.mpi_store import over_mpi
 
         store = over_mpi(MPI.COMM_WORLD, datetime.timedelta(seconds=5))
         try:

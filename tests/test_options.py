@@ -2,8 +2,8 @@
 import pytest
 
 from nbdist.cluster.api import parse_rank_spec
-from nbdist.errors import DistUsageError
 from nbdist.cluster.options import ClusterOptions, max_cpu_engines
+from nbdist.errors import DistUsageError
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_bad_hosts_are_refused_in_one_line(options, message):
 
 
 def test_the_address_toward_a_host_is_the_routing_tables_answer():
-    from nbdist.cluster.ranks import addresses
+    from nbdist.cluster.hosts.ranks import addresses
 
     assert addresses.route_toward("127.0.0.1") == "127.0.0.1"
     assert addresses.address_toward(["localhost"]) == "127.0.0.1"  # only this host: loopback

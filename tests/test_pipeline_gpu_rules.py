@@ -24,11 +24,11 @@ import torch
 from test_nccl_safety import CASES
 from torch import nn
 
-from nbdist.cluster.ranks import placement
 from nbdist.errors import DistUsageError
 from nbdist.pipeline_parallel.ranks.executor import RECEIVE_LOOKAHEAD, StageExecutor
 from nbdist.pipeline_parallel.spec import StageSpec
 from nbdist.pipeline_parallel.stepping import action_ticks, total_ticks
+from nbdist.runtime.ranks import placement
 from nbdist.schedules import Schedule, build, check_nccl
 from nbdist.schedules.actions import RECV_B, RECV_F
 from nbdist.schedules.nccl import (

@@ -21,13 +21,13 @@ import torch
 
 import nbdist
 from nbdist import data, models
+from nbdist.cluster.meshes.mesh import layout
 from nbdist.errors import DistUsageError
-from nbdist.cluster.mesh import layout
 from nbdist.sharding.memory import RankMemory
 from nbdist.sharding.shape import micro_batch_size
+from nbdist.sharding.widget import PlannerView
 from nbdist.units import format_bytes
 from nbdist.viz.plan import LAYER_COLUMNS, MEMORY_PARTS, layers_html, memory_figure, placement_figure
-from nbdist.sharding.widget import PlannerView
 
 CONFIG = dict(vocab=256, seq=16, layers=4, hidden=32, heads=4)
 PARTS = list(MEMORY_PARTS)  # params, grads, optimizer, activations

@@ -1,5 +1,5 @@
 """A plan's predicted memory and step time (nbdist/sharding/: profile, shape, memory, step_time) against hand counts, the ZeRO paper's
-figures, and what the memory meter (nbdist/cluster/ranks/memory.py) measures in this process.
+figures, and what the memory meter (nbdist/runtime/ranks/memory.py) measures in this process.
 
 One process, no cluster: the predictions are plain data; the 2-rank checks of ZeRO and FSDP2 against these
 predictions are in tests/test_memory_meter.py.
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from nbdist.collectives.costmodel import AlphaBeta
-from nbdist.cluster.ranks.memory import ActivationMeter, state_bytes
-from nbdist.errors import DistUsageError
-from nbdist.schedules.generators import build
 from nbdist.cost.memory import fp32_zero_bytes, zero_paper_bytes
+from nbdist.errors import DistUsageError
+from nbdist.runtime.ranks.memory import ActivationMeter, state_bytes
+from nbdist.schedules.generators import build
 from nbdist.sharding.memory import predict_memory, zero1_shares
 from nbdist.sharding.profile import profile_layers, with_times
 from nbdist.sharding.ranks.timing import time_layers

@@ -19,7 +19,7 @@ import pytest
 from processes import wait_until_gone
 
 import nbdist
-from nbdist.cluster.files import profile_root
+from nbdist.cluster.launching.files import profile_root
 from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistInterrupt
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import nbdist
 from nbdist import data, models
-from nbdist.cluster import warm
+from nbdist.cluster.launching import warm
 from nbdist.sharding import profile
 from nbdist.training import dashboard
 
@@ -24,7 +24,7 @@ def _modules_loaded_by_the_loader(setup: str) -> dict:
     code = f"""
 import json, sys
 {setup}
-from nbdist.cluster import warm
+from nbdist.cluster.launching import warm
 names = warm.LOADED_WHILE_STARTING
 before = {{n for n in names if n in sys.modules}}
 step = warm.loader(names)

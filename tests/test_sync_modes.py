@@ -225,7 +225,7 @@ def fails_while_others_wait(model_fn, batch, kind: str, options: dict, fail_rank
     import torch
     from mpi4py import MPI
 
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
     from nbdist.training.ranks import sync_modes
 
     rank = MPI.COMM_WORLD.rank
@@ -246,7 +246,7 @@ def step_again(model_fn, batch, kind: str) -> tuple[int, str]:
 
     import torch
 
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     sync = registry.get("test-sync", kind)
     error = "none"

@@ -617,7 +617,7 @@ def test_exports_a_chrome_trace_and_tensorboard_scalars(cluster, tmp_path):
     ({"clip": -1}, "clip must be a positive number"),
 ])
 def test_bad_settings_are_refused_in_one_line(cluster, options, says):
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     def built():
         return [cluster.run(registry.names, kind) for kind in ("sharded", "pipeline", "trainer")]
@@ -642,7 +642,7 @@ def test_fit_needs_steps_or_epochs(cluster):
 
 def test_a_failing_data_fn_names_the_rank_and_the_cluster_stays_usable(cluster):
     def failing():
-        from nbdist.cluster.ranks.boot import boot
+        from nbdist.cluster.launching.ranks.boot import boot
 
         if boot().rank == 1:
             raise FileNotFoundError("no data here")
@@ -650,7 +650,7 @@ def test_a_failing_data_fn_names_the_rank_and_the_cluster_stays_usable(cluster):
 
         return data.text_dataset(seq=16, max_bytes=1 << 15)
 
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     before = cluster.run(registry.names, "sharded")
     with pytest.raises(DistError, match="rank 1 raised FileNotFoundError: no data here"):

@@ -152,7 +152,7 @@ def trains_normally(cluster) -> None:
 
 
 def held(cluster) -> list:
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     return [cluster.run(registry.names, kind) for kind in ("sharded", "pipeline", "trainer")]
 

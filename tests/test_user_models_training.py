@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset
+from user_models import BUILDERS, SEQ, VOCAB, adam, cross_entropy, largest_difference
 
 import nbdist
 from nbdist import data
 from nbdist.errors import DistUsageError
-from user_models import BUILDERS, SEQ, VOCAB, adam, cross_entropy, largest_difference
 
 ATOL = 1e-5
 BATCH, SAMPLES = 8, 40  # 5 global batches per epoch: the runs below cross an epoch
@@ -262,7 +262,7 @@ BAD_DATA = [
 
 @pytest.mark.parametrize("data_fn, loss_fn, line", [c[1:] for c in BAD_DATA], ids=[c[0] for c in BAD_DATA])
 def test_bad_data_for_a_users_model_is_one_line(cluster, data_fn, loss_fn, line):
-    from nbdist.cluster.ranks import registry
+    from nbdist.runtime.ranks import registry
 
     before = cluster.run(registry.names, "trainer")
     with pytest.raises(DistUsageError, match=line) as raised:

@@ -1,4 +1,4 @@
-"""Ranks forked from the kernel (cluster/warm.py): the same MPI world as launched ranks, none of the kernel's state,
+"""Ranks forked from the kernel (cluster/launching/warm.py): the same MPI world as launched ranks, none of the kernel's state,
 and the same promises (a rank's death named, nothing left, only this user's processes served). The forked ranks are
 measured in fresh Pythons (tests/warm_scenarios.py) and in a real Jupyter kernel: this test process may have loaded
 MPI itself, and then gets fresh ranks, as such a kernel would."""
@@ -22,7 +22,7 @@ from warm_scenarios import (
 )
 
 import nbdist
-from nbdist.cluster import launch, warm
+from nbdist.cluster.launching import launch, warm
 from nbdist.errors import DistUsageError
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_scenarios.py")
@@ -45,7 +45,7 @@ def test_ranks_are_forked_from_the_kernel_and_form_one_world():
     for r, cmdline in zip(ranks, seen["cmdlines"]):  # the stand-in's environment, the thread count it asks for
         assert r["pmi_rank"] == str(r["rank"])  # Hydra's word to the stand-in
         assert r["threads"] == int(r["omp"])
-        assert "nbdist.cluster.ranks.main" in cmdline  # ps and psutil show a rank, not the kernel's command
+        assert "nbdist.cluster.launching.ranks.main" in cmdline  # ps and psutil show a rank, not the kernel's command
 
 
 def test_fresh_ranks_when_asked_or_when_forking_cannot_work():
@@ -73,7 +73,7 @@ def test_fresh_ranks_when_asked_or_when_forking_cannot_work():
 ])
 def test_a_kernel_holding_what_a_fork_cannot_share_gets_fresh_ranks(loaded, why):
     """A kernel's own MPI is a world of one, which its forks would inherit; NVML's open devices are the kernel's."""
-    code = f"import sys; {loaded}; from nbdist.cluster import warm; print(warm.usable(multi_host=False))"
+    code = f"import sys; {loaded}; from nbdist.cluster.launching import warm; print(warm.usable(multi_host=False))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == why, out.stderr
 

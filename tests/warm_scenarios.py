@@ -1,4 +1,4 @@
-"""Scenarios of ranks forked from the kernel (cluster/warm.py), each run in a fresh Python by tests/test_warm_start.py:
+"""Scenarios of ranks forked from the kernel (cluster/launching/warm.py), each run in a fresh Python by tests/test_warm_start.py:
 a test process that has loaded MPI itself (another test did) gets fresh ranks, as any such kernel would, so the
 forked ranks are measured where forking is possible. Each scenario prints one JSON line of what it saw.
 
@@ -16,7 +16,7 @@ import psutil
 from processes import wait_until_gone
 
 import nbdist
-from nbdist.cluster import launch, warm
+from nbdist.cluster.launching import launch, warm
 from nbdist.errors import DistError
 
 

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from nbdist.cluster import launch, warm
 from nbdist.cluster.arguments import (
     chosen_ranks,
     needs_function,
@@ -26,13 +25,17 @@ from nbdist.cluster.arguments import (
     sendable_to_each,
     sent,
 )
-from nbdist.cluster.deaths import DeathWatch
-from nbdist.cluster.mesh import Mesh, layout
+from nbdist.cluster.launching import launch, warm
+from nbdist.cluster.launching.ranks import boot
+from nbdist.cluster.meshes.mesh import Mesh, layout
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.cluster.options import ClusterOptions, run_timeout
-from nbdist.cluster.ranks import boot, gpu_sync, rank_mesh, registry
-from nbdist.cluster.remote import SHOW_MODES, OutputRelay, Waiter
 from nbdist.cluster.status import Status
+from nbdist.cluster.waiting.deaths import DeathWatch
+from nbdist.cluster.waiting.ranks import gpu_sync
+from nbdist.cluster.waiting.remote import SHOW_MODES, OutputRelay, Waiter
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
+from nbdist.runtime.ranks import registry
 
 _current: "Cluster | None" = None
 _starting = threading.RLock()  # nbdist.start() and nbdist.stop() one at a time: one current cluster per kernel
@@ -252,7 +255,7 @@ class Cluster:
     def _gpus_in_step(self) -> str:
         """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
         wrong operation. Every rank synchronises its GPU within GPU_SYNC_SECONDS; if one cannot, the only safe way
-        back is fresh engines (cluster/ranks/gpu_sync.py). Returns what was done, for the error line."""
+        back is fresh engines (cluster/waiting/ranks/gpu_sync.py). Returns what was done, for the error line."""
         ranks = list(range(self.world_size))
         try:
             ar = self._view(ranks).apply_async(gpu_sync.synchronise, GPU_SYNC_SECONDS)
@@ -366,7 +369,7 @@ class Cluster:
 
     def mesh(self, **dims: int) -> Mesh:
         """Lay `dims` (e.g. dp=2, pp=2) over the ranks and build, on every rank, one torch DeviceMesh and one MPI
-        sub-communicator per dimension (nbdist/cluster/ranks/rank_mesh.py). Built once per shape and start: asking again
+        sub-communicator per dimension (nbdist/cluster/meshes/ranks/rank_mesh.py). Built once per shape and start: asking again
         returns the same mesh."""
         planned = layout(self.world_size, **dims)
         name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
@@ -395,7 +398,7 @@ def start(n: int | None = None, *, restart: bool = False, **options: Any) -> Clu
     hosts ("a,b" or ["a:2", "b:2"]: engines on those hosts through ssh) or hostfile, iface (the network interface
     between the hosts, where there are several), mpi_args (a list, or one string split as a shell would),
     collective_timeout, fork (default True: on one host the ranks are forked from this kernel, as accelerate's
-    notebook_launcher does, so they start without importing torch again; False: fresh processes, cluster/warm.py
+    notebook_launcher does, so they start without importing torch again; False: fresh processes, cluster/launching/warm.py
     says when forking is not possible). A running cluster is kept (a note says so) unless `restart=True`. One
     cluster per kernel: starts from several threads are taken one at a time. For a second cluster:
     `nbdist.Cluster(n=...).start()`.

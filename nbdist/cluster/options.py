@@ -14,8 +14,8 @@ from typing import Any
 import psutil
 
 from nbdist.checks import one_of, positive_seconds, whole_number
-from nbdist.cluster.ranks import devices
 from nbdist.errors import DistUsageError
+from nbdist.runtime.ranks import devices
 
 BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU; "mpi": nbdist's MPI backend (CPU engines)
 ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
@@ -44,7 +44,7 @@ def run_timeout(value: Any, what: str = "timeout") -> float | None:
 
 def visible_gpus() -> int:
     """Number of GPUs this process may use, from NVML and CUDA_VISIBLE_DEVICES read as CUDA reads it
-    (cluster/ranks/devices.cuda_shows: "0,-1,2" shows one), without creating a CUDA context."""
+    (runtime/ranks/devices.cuda_shows: "0,-1,2" shows one), without creating a CUDA context."""
     try:
         import pynvml
 
@@ -85,13 +85,13 @@ class ClusterOptions:
     hosts: tuple[str, ...] = field(default_factory=tuple)  # ssh hosts, Hydra's form: "a", "a:2" (slots)
     hostfile: str | None = None  # MPI's host file: one "host[:slots]" per line
     iface: str | None = None  # the network interface the hosts reach each other by, where they have several
-    slurm: object = None  # a Slurm allocation to run in: True, or salloc's choices (cluster/slurm.py SlurmRequest)
-    fork: bool = True  # ranks forked from the kernel where they can be (cluster/warm.py); False: fresh processes
+    slurm: object = None  # a Slurm allocation to run in: True, or salloc's choices (cluster/hosts/slurm.py SlurmRequest)
+    fork: bool = True  # ranks forked from the kernel where they can be (cluster/launching/warm.py); False: fresh processes
 
     def __post_init__(self) -> None:
         """Accept what a user naturally writes: mpi_args as one string ("-f hosts") is split as a shell would,
         hosts as one string ("a,b") at its commas. Anything else that is not a list is refused by resolved()."""
-        from nbdist.cluster.slurm import SlurmRequest
+        from nbdist.cluster.hosts.slurm import SlurmRequest
 
         if isinstance(self.mpi_args, str):
             try:
@@ -140,7 +140,7 @@ class ClusterOptions:
         """mpiexec's arguments for the hosts (Hydra's): where to start ranks (the hosts, or Slurm's allocation),
         and the kernel's address for the proxies to call back to (Hydra's own guess is this host's name, which the
         other hosts may not resolve)."""
-        from nbdist.cluster.slurm import SLURM_LAUNCH
+        from nbdist.cluster.hosts.slurm import SLURM_LAUNCH
 
         if self.slurm is not None:
             args = list(SLURM_LAUNCH)
@@ -154,8 +154,8 @@ class ClusterOptions:
 
     def kernel_address(self, allocation=None) -> str:
         """The address the engines reach the kernel by: loopback on one host; else this host's address toward the
-        named hosts or the Slurm allocation's nodes (cluster/ranks/addresses.py), or the named interface's."""
-        from nbdist.cluster.ranks import addresses
+        named hosts or the Slurm allocation's nodes (cluster/hosts/ranks/addresses.py), or the named interface's."""
+        from nbdist.cluster.hosts.ranks import addresses
 
         if not self.multi_host():
             return addresses.LOOPBACK
@@ -212,7 +212,7 @@ class ClusterOptions:
 
     def _check_hosts(self) -> None:
         """--hosts and --hostfile: one of them, names that resolve, a host file that exists."""
-        from nbdist.cluster.ranks import addresses
+        from nbdist.cluster.hosts.ranks import addresses
 
         if sum(map(bool, (self.hosts, self.hostfile, self.slurm))) > 1:
             raise DistUsageError("give one of --hosts, --hostfile and --slurm")

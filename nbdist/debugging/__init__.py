@@ -3,5 +3,5 @@
 hang.py     explain(): the ranks' reports side by side, one table and one sentence (Cluster.why, %dist_why, and
             the view a timed-out or interrupted cell shows)
 ranks/      recorder.py: the flight recorder every communication call writes into, on the engines; what the rank's
-            inspector thread (cluster/ranks/inspector.py) reads when asked
+            inspector thread (cluster/waiting/ranks/inspector.py) reads when asked
 """

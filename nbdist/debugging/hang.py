@@ -1,6 +1,6 @@
 """Why a cell hangs: every rank's report (its flight recorder's tail and main stack) read side by side.
 
-Each rank answers from a thread of its own (cluster/ranks/inspector.py), so a rank stuck in a collective, a receive
+Each rank answers from a thread of its own (cluster/waiting/ranks/inspector.py), so a rank stuck in a collective, a receive
 or a loop of the user's still says where it is. Read together, the reports name what one rank alone cannot: which
 ranks wait in which call (the call's number on its group: "all_reduce #42"), which member of that group never
 reached it and what that member does instead, and where ranks that met in the same call brought different calls,
@@ -28,7 +28,7 @@ _WAIT_FILES = ("nbdist/backend/ranks/waiting.py", "nbdist/backend/ranks/mpi_work
 # Frames of the engine's own loop: a stack made of these alone is an engine waiting for the next cell (between
 # cells the loop also ticks MPI's progress: idle_progress.py, which a view caught in it must not call running code).
 _ENGINE_FILES = ("ipyparallel/", "ipykernel/", "IPython/", "tornado/", "zmq/", "asyncio/", "selectors.py",
-                 "threading.py", "runpy.py", "nbdist/cluster/ranks/main.py", "nbdist/cluster/lifeline.py",
+                 "threading.py", "runpy.py", "nbdist/cluster/launching/ranks/main.py", "nbdist/cluster/hosts/lifeline.py",
                  "nbdist/backend/ranks/idle_progress.py", "traitlets/", "jupyter_client/", "<frozen ")
 _STDLIB = sysconfig.get_paths().get("stdlib", "////")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"  # .../nbdist/

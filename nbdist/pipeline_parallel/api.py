@@ -26,10 +26,10 @@ from torch import nn
 
 from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
-from nbdist.cluster.mesh import Mesh
+from nbdist.cluster.meshes.mesh import Mesh
 from nbdist.errors import DistUsageError
-from nbdist.models.gathered import GatheredModel
 from nbdist.models import batches
+from nbdist.models.gathered import GatheredModel
 from nbdist.pipeline_parallel.cut import Cut, Cutting
 from nbdist.pipeline_parallel.inputs import check_batch, check_pipeline_zero, check_step_inputs
 from nbdist.pipeline_parallel.ranks import pairs

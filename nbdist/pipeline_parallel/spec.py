@@ -24,7 +24,7 @@ class StageSpec:
 
     name: str  # the pipeline's name on the ranks (registry key)
     number: int  # unique among this kernel's pipelines: part of every message tag
-    mesh: str  # the mesh's name on the ranks (nbdist/cluster/ranks/rank_mesh.py)
+    mesh: str  # the mesh's name on the ranks (nbdist/cluster/meshes/ranks/rank_mesh.py)
     replicas: int  # data-parallel replicas (the mesh's dp size; 1 without dp)
     pipeline_rank: int  # this rank's coordinate along pp: its rank in the schedule
     pipeline_ranks: int  # p: ranks per pipeline (stage s sits on pipeline rank s mod p)

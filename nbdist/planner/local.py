@@ -55,7 +55,7 @@ def measure(cluster) -> Hardware:
     measured = {"matmul_flops": _matmul_flops(cluster, gpus), "stream_bandwidth": _stream_bandwidth(cluster, gpus),
                 "engines": cluster.world_size}
     if gpus:
-        from nbdist.cluster.ranks.placement import memory_report
+        from nbdist.runtime.ranks.placement import memory_report
 
         measured["bf16_matmul_flops"] = _matmul_flops(cluster, gpus, "bf16")
         measured["device_memory"] = min(r["total"] for r in cluster.run(memory_report))

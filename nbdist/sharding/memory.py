@@ -19,7 +19,7 @@ from nbdist.units import format_bytes
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes one rank holds at its peak, by kind (what nbdist.cluster.ranks.memory.state_bytes and ActivationMeter
+    """Bytes one rank holds at its peak, by kind (what nbdist.runtime.ranks.memory.state_bytes and ActivationMeter
     measure on a rank)."""
 
     params: int

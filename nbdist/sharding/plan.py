@@ -395,7 +395,7 @@ class Plan:
         from collections import Counter
 
         from nbdist.checks import fits
-        from nbdist.cluster.ranks.placement import memory_report
+        from nbdist.runtime.ranks.placement import memory_report
 
         engines_on = Counter(self.cluster.hosts)
         predicted = self.predicted_memory()

@@ -31,7 +31,7 @@ from typing import Callable
 
 import ipywidgets as widgets
 
-from nbdist.cluster.mesh import layout
+from nbdist.cluster.meshes.mesh import layout
 from nbdist.errors import DistError, DistUsageError
 from nbdist.pipeline_parallel.stages import layer_counts
 from nbdist.sharding.profile import LayerProfile

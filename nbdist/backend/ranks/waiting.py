@@ -56,7 +56,7 @@ QUICK_TESTS = SPIN_TESTS  # the hot path's spin: SPIN_TESTS, or 1 where oversubs
 
 def read_environment() -> None:
     """Set OVERSUBSCRIBED and QUICK_TESTS from this rank's environment: at import, and again in a rank forked from a
-    kernel that had imported this module (cluster/ranks/zygote.py), whose copy was read without Hydra's variables."""
+    kernel that had imported this module (cluster/launching/ranks/zygote.py), whose copy was read without Hydra's variables."""
     global OVERSUBSCRIBED, QUICK_TESTS
     OVERSUBSCRIBED = _oversubscribed()
     QUICK_TESTS = 1 if OVERSUBSCRIBED else SPIN_TESTS

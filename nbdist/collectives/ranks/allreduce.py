@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nbdist.cluster.ranks import groups
+from nbdist.cluster.meshes.ranks import groups
 from nbdist.cost.collectives import REDUCING_PHASES
 from nbdist.errors import DistUsageError
 
@@ -216,7 +216,7 @@ def trace_rank(algorithm: str, n: int, size: int, seed: int) -> dict | None:
     """Engine side of `trace`: `algorithm` (a name of the cost table) and `dist.all_reduce` on the same random
     float32 tensor of `size` elements among ranks 0..n-1, and this rank's record. Call on every rank (the group of
     ranks 0..n-1 is made once, collectively); None on a rank outside the group."""
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     group = groups.first_ranks(n)
     if dist.get_rank() >= n:

@@ -5,7 +5,7 @@ The notebook side (nbdist/collectives/sweep.py) validates the request, sends `me
 the per-rank reports into rows; the conventions (nccl-tests' sizes, times and bandwidths) are described there.
 Every rank makes the same calls in the same order, whatever its data: a collective called on some ranks only would
 wait forever. The groups of the first ranks are made once and kept in the engine registry
-(nbdist/cluster/ranks/groups.py).
+(nbdist/cluster/meshes/ranks/groups.py).
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from nbdist.cluster.ranks import groups
-from nbdist.cluster.ranks.compat import all_gather_single, reduce_scatter_single
-from nbdist.cluster.ranks.devices import backend_for
+from nbdist.cluster.meshes.ranks import groups
 from nbdist.collectives.ops import ELEMENT_BYTES, GLOO_REDUCE_SCATTER_NOTE, ROOT
+from nbdist.runtime.ranks.compat import all_gather_single, reduce_scatter_single
+from nbdist.runtime.ranks.devices import backend_for
 
 MAX_ITERS = 1_000_000
 CALIBRATE_SECONDS = 0.005  # a calibration loop shorter than this is too close to the clock to trust

@@ -12,7 +12,7 @@ all-reduce stays (hook "torch": torch.distributed's all-reduce, nccl for CUDA gr
     model = ddp(MyModel())                      # hook="auto": MPI on CPU engines
     model = ddp(MyModel(), hook="topk", ratio=0.01, bucket_cap_mb=10)
     # one replica group of a mesh:
-    model = ddp(MyModel(), process_group=nbdist.cluster.ranks.rank_mesh.here(m).group("dp"))
+    model = ddp(MyModel(), process_group=nbdist.cluster.meshes.ranks.rank_mesh.here(m).group("dp"))
 """
 from __future__ import annotations
 

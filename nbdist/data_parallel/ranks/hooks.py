@@ -8,7 +8,7 @@ TCP loopback by 2-5x for the bucket sizes DDP uses (1-25 MB), so on CPU the hook
 Any process group works, not only the whole world: DDP over a mesh's dp dimension averages within each replica
 group. The MPI hooks then talk on an MPI communicator of the same ranks in the same order (torch rank = MPI rank on
 nbdist's engines), made once per group and kept in the engine registry, or the mesh's own communicator of that
-dimension (nbdist/cluster/ranks/groups.py). Making it is collective over the group's members: exactly the ranks that
+dimension (nbdist/cluster/meshes/ranks/groups.py). Making it is collective over the group's members: exactly the ranks that
 build the DDP model and call `register_hook` (building DDP is collective over them too).
 
 Compression hooks trade accuracy for bytes: fp16 / bf16 (torch's own hooks on DDP's process group), top-k with
@@ -39,9 +39,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from nbdist.checks import known_options, whole_number
-from nbdist.cluster.ranks import groups
-from nbdist.cluster.ranks.devices import backend_for
+from nbdist.cluster.meshes.ranks import groups
 from nbdist.errors import DistUsageError
+from nbdist.runtime.ranks.devices import backend_for
 
 Future = torch.futures.Future
 

@@ -18,7 +18,7 @@ def shard(model: nn.Module, dp_mesh, stage: int, blocks: tuple[str, ...] | None 
     (qualified names: a model's repeated blocks, models/structure.py repeated_blocks, where a tied weight never
     splits two units) is one unit, by default every top-level layer that has parameters; then the root, which
     takes what is left (embeddings, the head and what they tie)."""
-    from nbdist.cluster.ranks.compat import fully_shard  # public from torch 2.6, private before
+    from nbdist.runtime.ranks.compat import fully_shard  # public from torch 2.6, private before
 
     reshard = stage == 3
     if blocks is None:

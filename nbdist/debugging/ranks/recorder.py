@@ -3,7 +3,7 @@
 Why: when a cell hangs, the question is "which rank, waiting on what?". MPI cannot say who has not arrived in a
 collective, and a stuck rank cannot be asked through its own busy thread. So each call is written down as it starts
 (group, its sequence number on that group, call, peer, elements, dtype, start time) and marked when it ends; the
-rank's inspector thread (cluster/ranks/inspector.py) reads the ring's tail and the main thread's Python stack on
+rank's inspector thread (cluster/waiting/ranks/inspector.py) reads the ring's tail and the main thread's Python stack on
 request, without the main thread's help, and the notebook compares the ranks (debugging/hang.py).
 
 Always on, so it must cost almost nothing: one tuple into a preallocated list, one clock read (the start: what a
@@ -190,12 +190,12 @@ def main_stack(limit: int = STACK_LIMIT) -> list[list]:
     return [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in frames]
 
 
-RANK_ENTRY = os.path.join("nbdist", "cluster", "ranks", "main.py")
+RANK_ENTRY = os.path.join("nbdist", "cluster", "launching", "ranks", "main.py")
 
 
 def _from_rank_entry(frames: traceback.StackSummary) -> list:
-    """The frames from the rank's entry (ranks/main.py's main) inward: a rank forked from the kernel
-    (cluster/warm.py) still has the kernel's frames above it, which it is not running."""
+    """The frames from the rank's entry (cluster/launching/ranks/main.py's main) inward: a rank forked from the kernel
+    (cluster/launching/warm.py) still has the kernel's frames above it, which it is not running."""
     for index, frame in enumerate(frames):
         if frame.name == "main" and frame.filename.endswith(RANK_ENTRY):
             return list(frames[index:])

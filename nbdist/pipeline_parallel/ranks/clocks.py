@@ -1,5 +1,5 @@
 """When each pipeline action ran, on the host or on the GPU (this code runs ON the engines): a Span per action,
-measured with the rank's clock (cluster/ranks/placement.py: HostClock, CudaClock).
+measured with the rank's clock (runtime/ranks/placement.py: HostClock, CudaClock).
 
 On CPU an action is done when its Python call returns, so `perf_counter` before and after is its span (one clock for
 every process of a host). On a GPU the call only queues kernels, and waiting for a message on NCCL only makes the

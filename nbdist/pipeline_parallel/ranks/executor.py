@@ -32,13 +32,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from nbdist.cluster.ranks.placement import clock_for
 from nbdist.debugging.ranks import recorder
 from nbdist.models import batches
 from nbdist.pipeline_parallel.ranks.clocks import Span
 from nbdist.pipeline_parallel.ranks.step_state import StepState, Walk
 from nbdist.pipeline_parallel.ranks.transport import Drainer, cancel, message_tag
 from nbdist.pipeline_parallel.spec import StageSpec
+from nbdist.runtime.ranks.placement import clock_for
 from nbdist.schedules.actions import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -68,7 +68,7 @@ class StageExecutor:
         self.walks = {kind: Walk(tuple(acts), tuple(ticks), None if rounds is None else tuple(rounds))
                       for kind, (acts, ticks, rounds) in walks.items()}
         self.device = device
-        self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: cluster/ranks/placement.py
+        self.clock = clock_for(device)  # host time on CPU, CUDA events on a GPU: runtime/ranks/placement.py
         self.modules = {s: m.to(device) for s, m in modules.items()}
         self.transport = transport
         self.dp_average = dp_average  # callable(list of gradient tensors) averaging them over the dp group, or None
@@ -90,7 +90,7 @@ class StageExecutor:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held for the pipeline, by storage (a slice: its part)."""
-        from nbdist.cluster.ranks.memory import state_bytes
+        from nbdist.runtime.ranks.memory import state_bytes
 
         return state_bytes(nn.ModuleList(self.modules.values()), self.optimizer)
 
@@ -148,7 +148,7 @@ class StageExecutor:
         return ran
 
     def _settle(self) -> None:
-        """GPU: wait for the call's work on the compute stream (cluster/ranks/placement.py), then turn its event
+        """GPU: wait for the call's work on the compute stream (runtime/ranks/placement.py), then turn its event
         marks into spans (a receive's span is how long the compute stream waited for the message)."""
         state = self.state
         if not state.unsettled:

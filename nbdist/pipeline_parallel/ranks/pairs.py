@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nbdist.cluster.mesh import Mesh
+from nbdist.cluster.meshes.mesh import Mesh
 
 KIND = "pipeline pairs"  # registry kind: pipeline name -> {"group": its process group} (renewed in place)
 Pair = tuple[int, int]  # (sending pp coordinate, receiving pp coordinate)
@@ -75,8 +75,8 @@ def connect(name: str, mesh: Mesh) -> None:
     """Make (or make anew) pipeline `name`'s group over `mesh` (collective over the world: every rank calls this;
     ranks outside the mesh only take part in making the groups). Anew: after a step on it was interrupted, the old
     group may hold receives that would take the next step's messages."""
-    from nbdist.cluster.ranks import registry
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
+    from nbdist.runtime.ranks import registry
 
     info = boot()
     fresh = build(mesh, info.rank, torch.device(info.device))

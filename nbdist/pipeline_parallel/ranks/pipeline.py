@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from nbdist.cluster.ranks import placement, rank_mesh, registry
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
 from nbdist.models.gathered import whole
 from nbdist.models.structure import repeated_blocks
@@ -23,6 +23,7 @@ from nbdist.pipeline_parallel.ranks import pairs
 from nbdist.pipeline_parallel.ranks.executor import StageExecutor
 from nbdist.pipeline_parallel.ranks.transport import make_transport
 from nbdist.pipeline_parallel.spec import StageSpec
+from nbdist.runtime.ranks import placement, registry
 from nbdist.schedules.actions import Action
 from nbdist.schedules.nccl import rank_walks
 from nbdist.schedules.schedule import Schedule
@@ -36,7 +37,7 @@ WAKE_SECONDS = 0.005  # a stepping call first keeps its core busy this long: see
 def setup(spec: StageSpec) -> str:
     """Build this rank's executor. With a model function, this rank builds the model itself and keeps only its
     layers (nothing large crosses the network)."""
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     device = torch.device(boot().device)
     mesh = rank_mesh.here(spec.mesh)
@@ -82,7 +83,7 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
     completes its sends before it finishes, and its gradients' average never shares the GPU with them (two NCCL
     communicators in flight at once may deadlock).
     """
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     executor = registry.get(KIND, name)
     state = executor.state
@@ -114,11 +115,11 @@ def advance(name: str, until_tick: int | None, publish_every: float | None = Non
 def step(name: str, shapes: dict, inputs, targets, loss_fn, publish_every: float | None = None,
          memory: bool = False) -> dict:
     """A whole step at full speed: one call, so one barrier before the first action and none between ticks.
-    `memory`: also report the bytes this rank holds (cluster/ranks/memory.py), activations at their peak."""
+    `memory`: also report the bytes this rank holds (runtime/ranks/memory.py), activations at their peak."""
     if not memory:
         begin(name, shapes, inputs, targets, loss_fn)
         return advance(name, None, publish_every)
-    from nbdist.cluster.ranks.memory import ActivationMeter, GatheredParams
+    from nbdist.runtime.ranks.memory import ActivationMeter, GatheredParams
 
     executor = registry.get(KIND, name)
     stages = list(executor.modules.values())  # each stage's layers sampled as they start (ZeRO-2/3)

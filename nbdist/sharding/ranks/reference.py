@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from nbdist.cluster.ranks import placement
 from nbdist.models import batches
+from nbdist.runtime.ranks import placement
 from nbdist.wire import restore
 
 

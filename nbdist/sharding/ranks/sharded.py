@@ -13,10 +13,11 @@ import contextlib
 
 import torch
 
-from nbdist.cluster.ranks import placement, rank_mesh, registry
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.data_parallel.ranks import data_parallel, zero, zero_optimizer
 from nbdist.models import batches
 from nbdist.models.gathered import whole
+from nbdist.runtime.ranks import placement, registry
 from nbdist.tensor_parallel.ranks import tensor_parallel
 from nbdist.wire import restore
 
@@ -143,7 +144,7 @@ def setup(spec) -> str | None:
 
 
 def step(name: str, inputs, targets, loss_fn, memory: bool = False) -> dict:
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     return {**registry.get(KIND, name).step(inputs, targets, restore(loss_fn), memory), "rank": boot().rank}
 
@@ -160,8 +161,8 @@ def close(name: str) -> None:
 
 
 def _memory():
-    """nbdist.cluster.ranks.memory, imported when a step first measures memory. It imports DTensor and FSDP2 (~0.5 s),
+    """nbdist.runtime.ranks.memory, imported when a step first measures memory. It imports DTensor and FSDP2 (~0.5 s),
     which the notebook's kernel, importing this module only to send its functions, never needs."""
-    from nbdist.cluster.ranks import memory
+    from nbdist.runtime.ranks import memory
 
     return memory

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nbdist.checks import whole_number
-from nbdist.cluster.ranks import placement, rank_mesh
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.data_parallel.ranks import zero
+from nbdist.runtime.ranks import placement
 from nbdist.tensor_parallel.ranks import tensor_parallel
 
 

@@ -235,7 +235,7 @@ def _load_replica(trainer, path: str) -> None:
     mine = f"rank{trainer.rank}.replica"
     if sync is None or not os.path.exists(os.path.join(path, mine)):
         return
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
 
     saved = _load(path, mine, placement.here())  # saved by any engine's GPU
     trainer.runner.model.load_state_dict(saved["model"])
@@ -248,7 +248,7 @@ def _load_zero1(trainer, path: str, model_state: dict, same_plan: bool) -> None:
     this very plan: the shares are the same parameters only then)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
 
     mine = f"rank{trainer.rank}.zero1"
     if not same_plan or not os.path.exists(os.path.join(path, mine)):
@@ -366,7 +366,7 @@ def _rng_state() -> dict:
     tuple holds an ndarray, kept as a tensor of its key."""
     import numpy as np
 
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
 
     kind, key, position, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -386,7 +386,7 @@ def _set_rng_state(state: dict) -> None:
     saved = state["numpy"]
     np.random.set_state((saved["kind"], saved["key"].numpy().astype(np.uint32), saved["position"],
                          saved["has_gauss"], saved["gauss"]))
-    from nbdist.cluster.ranks import placement
+    from nbdist.runtime.ranks import placement
 
     device = placement.here()
     if "cuda" in state and device.type == "cuda":

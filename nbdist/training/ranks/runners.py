@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from nbdist.cluster.ranks import placement, registry
 from nbdist.models import batches
 from nbdist.models.gathered import pruned_view, unsplit_view
+from nbdist.runtime.ranks import placement, registry
 from nbdist.wire import restore
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a TrainSpec's precision -> autocast's dtype

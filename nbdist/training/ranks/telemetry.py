@@ -50,7 +50,7 @@ def _nvml_handle(device: torch.device):
     try:
         import pynvml
 
-        from nbdist.cluster.ranks.boot import nvml_handle
+        from nbdist.cluster.launching.ranks.boot import nvml_handle
 
         pynvml.nvmlInit()
         return nvml_handle(pynvml, device.index if device.index is not None else torch.cuda.current_device())

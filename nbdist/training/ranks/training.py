@@ -31,13 +31,14 @@ import time
 import torch
 
 from nbdist.backend.ranks import waiting
+from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.errors import DistUsageError
 from nbdist.models import batches
-from nbdist.cluster.ranks import placement, rank_mesh, registry
+from nbdist.runtime.ranks import placement, registry
 from nbdist.training.ranks import inputs, loss_scaling, runners, telemetry
+from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.training.ranks.data_source import DataSource
 from nbdist.training.ranks.inputs import seed_everything  # noqa: F401 - the tests' and the labs' name for it
-from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.wire import restore
 
 KIND = "trainer"
@@ -55,7 +56,7 @@ class RankTrainer:
     the step counter and the records of every step done."""
 
     def __init__(self, spec):
-        from nbdist.cluster.ranks.boot import boot
+        from nbdist.cluster.launching.ranks.boot import boot
 
         self.spec = spec
         self.rank = boot().rank
@@ -353,7 +354,7 @@ def install_stop_handler() -> None:
 def setup(spec) -> dict:
     """This rank's side of a Trainer, registered; {"error": line} instead where its inputs do not fit (the data
     sets, the replica's model and optimizer, a sample against the model's first layer): the same on every rank."""
-    from nbdist.cluster.ranks.boot import boot
+    from nbdist.cluster.launching.ranks.boot import boot
 
     install_stop_handler()
     trainer = None

@@ -1,0 +1,432 @@
+"""Starting and stopping the ipyparallel controller and the MPI engines, fast and without leftovers.
+
+ipyparallel's defaults are built for robustness on batch systems: a 1 s pause between controller and engines,
+a 3 s heartbeat that engines must answer before the hub counts them, a nanny process per engine, and a stop that
+waits politely. On one notebook's cluster those waits are most of the start-up time, so we:
+
+- launch the engines at the same moment as the controller (the engines import torch and join the process group
+  while the controller starts, then wait for its connection file);
+- beat the heart every 100 ms, and every 10 ms until the engines have registered (cluster/launching/controller.py), so a
+  registering engine is confirmed within 10-20 ms;
+- run the controller's schedulers as threads, not processes, and skip the per-engine nanny;
+- stop by signalling the process groups of mpiexec and the controller at once.
+
+Every process we start carries a lifeline (see cluster/hosts/lifeline.py) to the notebook kernel: the controller and engines
+on the kernel's host watch its pid; engines on other hosts hold a connection to the cluster's lifeline server
+(cluster/hosts/lifeline_server.py), which runs from just before the engines start until they are stopped.
+
+Each cluster runs in its own IPython profile directory, removed at stop (cluster/launching/files.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ipyparallel as ipp
+import psutil
+
+from nbdist.cluster.hosts import lifeline_server, slurm
+from nbdist.cluster.launching import files as cluster_files
+from nbdist.cluster.launching import mpi_segments, warm
+from nbdist.cluster.launching.ranks.main import START_TIMEOUT_ENV
+from nbdist.cluster.options import ClusterOptions
+from nbdist.cluster.waiting import deaths
+from nbdist.errors import DistError
+
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 100  # 10 s without a beat before the hub drops an engine (busy 2-core machines are slow)
+ALIVE_CHECK_SECONDS = 0.05  # how often a start looks whether mpiexec or the controller has died (not each 5 ms poll)
+
+
+@dataclass
+class Launched:
+    """A running ipyparallel cluster and the client connected to it."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    engine_ids: list[int]
+
+
+_lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
+_allocations: dict[int, slurm.Allocation] = {}  # id(ipp.Cluster) -> the Slurm allocation it runs in (--slurm)
+_warm: dict[int, warm.WarmProcess] = {}  # id(ipp.Cluster) -> the warm process its ranks are forked from
+_launched_at: dict[int, float] = {}  # id(ipp.Cluster) -> time.time() as its engines were launched (mpi_segments)
+
+
+def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
+                        kernel_address: str) -> dict[str, str]:
+    from nbdist.cluster.hosts.ranks import addresses
+
+    env = {
+        **lifeline.environment(),
+        addresses.KERNEL_ADDRESS_ENV: kernel_address,  # rank 0 serves the rendezvous on its address toward it
+        "NBDIST_BACKEND": options.backend,
+        "NBDIST_DEVICE": "cpu" if options.cpu else "auto",
+        "NBDIST_PG_TIMEOUT": str(options.collective_timeout),
+        START_TIMEOUT_ENV: str(options.timeout),  # how long an engine on another host waits for the controller
+        # One BLAS/OpenMP thread per engine: engines share the cores, and oversubscription slows everyone.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(options.threads_per_engine())),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if options.iface:
+        env[addresses.IFACE_ENV] = options.iface
+    if kernel_address == addresses.LOOPBACK:  # every engine on this host: MPICH's transport listens on no port
+        env.update({k: v for k, v in addresses.ONE_HOST_TRANSPORTS.items() if k not in os.environ})  # yours win
+    env["PYTHONPATH"] = os.pathsep.join(_kernel_import_paths())
+    return env
+
+
+def _kernel_import_paths() -> list[str]:
+    """The kernel's own import path (minus the interpreter's), so engines can unpickle functions from the same
+    modules the notebook imports: a helper module beside the notebook, a source checkout, a test folder."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above nbdist/
+    interpreter = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    kernel_paths = [os.path.abspath(p or ".") for p in sys.path]
+    paths = [package_root] + [p for p in kernel_paths if not p.startswith(interpreter)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
+
+
+def _warm_or_none() -> warm.WarmProcess | None:
+    """The kernel's warm process; None (fresh ranks) when the fork itself fails, e.g. for want of memory."""
+    try:
+        return warm.start()
+    except OSError:
+        return None
+
+
+def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
+    profile_dir = cluster_files.new_profile_dir()
+    try:
+        return _ipp_cluster(options, profile_dir, kernel_address)
+    except BaseException:  # e.g. an error in the user's ipcluster_config.py
+        shutil.rmtree(profile_dir, ignore_errors=True)
+        raise
+
+
+def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str) -> ipp.Cluster:
+    """The controller listens on loopback for engines on this host, and on the kernel's address toward the other
+    hosts when engines run there (its messages stay signed with the cluster's key, as ipyparallel signs them)."""
+    cluster = ipp.Cluster(
+        profile_dir=profile_dir,
+        cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
+        engines="mpi",
+        load_profile=cluster_files.has_user_config(profile_dir),
+        n=options.n,
+        delay=0,
+        send_engines_connection_env=False,  # engines read the connection file, so they can start before it exists
+        shutdown_atexit=False,  # nbdist's own atexit stops it (fast, files removed); ipyparallel's is slow and noisy
+        log_level=40,
+        controller_args=[
+            "--IPController.use_threads=True",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            f"--IPController.ip={kernel_address}",
+        ],
+    )
+    cluster.log.addFilter(_already_removed)  # its launchers log through it
+    return cluster
+
+
+def _already_removed(record: logging.LogRecord) -> bool:
+    """Drop ipyparallel's "Failed to remove <output file>: [Errno 2] No such file" at stop: when a launcher's process
+    ends, ipyparallel's loop thread and nbdist's stop (_forget) both read and remove its output file, each checking
+    first that it exists; the one that loses the race logs an ERROR for a file that is gone, as both wanted.
+    Every other failure to remove (a file held open, no permission) still shows."""
+    message = record.getMessage()
+    return not (message.startswith("Failed to remove ") and "[Errno 2]" in message)
+
+
+def _tail(launcher, lines: int = 15) -> str:
+    try:
+        with open(launcher.output_file) as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _check_alive(cluster: ipp.Cluster) -> None:
+    """Raise, in one line with the process's own first complaint, if the controller or mpiexec has exited. Asked
+    of the process itself: ipyparallel's own state changes only when its event loop runs, which a start waiting
+    here does not (an mpiexec that could not reach a host was noticed only when the whole timeout ran out)."""
+    parts = [("controller", cluster.controller)] + [("engines' mpiexec", es) for es in cluster.engines.values()]
+    for name, launcher in parts:
+        if launcher is not None and (launcher.state == "after" or _ended(launcher)):
+            raise DistError(f"the {name} exited during start-up: {_complaint(_last_words(launcher))}")
+
+
+def _last_words(launcher, wait: float = 1.0) -> str:
+    """An ended launcher's output: once ipyparallel has seen its process end it may have read and removed the
+    output file (get_output keeps what it read; "(no output)" was said once in four starts with a bad mpiexec
+    flag), and a process seen exiting may not have written its last words yet."""
+    deadline = time.monotonic() + wait
+    while not (text := _tail(launcher) or _kept_output(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return text
+
+
+def _kept_output(launcher, lines: int = 15) -> str:
+    """What ipyparallel read of an ended launcher's output before removing its file, if it did."""
+    try:
+        text = launcher.get_output() if launcher.state == "after" else ""
+    except Exception:  # noqa: BLE001 - a launcher without output of its own
+        return ""
+    return "\n".join((text or "").strip().splitlines()[-lines:])
+
+
+def _ended(launcher) -> bool:
+    """Whether the launcher's process (a child of this kernel) has exited, or is exiting (deaths.alive)."""
+    pid = getattr(launcher, "pid", None)
+    return bool(pid) and not deaths.alive(pid)
+
+
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)")  # a Python traceback's last line
+
+
+def _complaint(output: str) -> str:
+    """The line of a launcher's output that says what went wrong: a rank's Python error (the last line of its
+    traceback, e.g. "DistUsageError: ..."), else the first line that is not Hydra's own trace ("[mpiexec@host] ...",
+    "[proxy:...] ..."), e.g. ssh's "connect to host ... No route to host"."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    if raised:
+        return raised[-1]
+    own = [line for line in lines if not line.startswith(("[mpiexec@", "[proxy:"))]
+    return (own or lines or ["(no output)"])[0]
+
+
+def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = None) -> Launched:
+    """Start controller and engines (in a Slurm allocation first asked for, with --slurm), connect a client, wait
+    until every engine has registered. `while_waiting()` is called instead of sleeping in that wait, until it
+    returns False (the kernel has nothing else to do meanwhile: api.Cluster.start loads modules in it)."""
+    deadline = time.monotonic() + options.timeout
+    allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
+    warm_process = None
+    try:
+        kernel_address = options.kernel_address(allocation)
+        if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
+            warm_process = _warm_or_none()  # first: it loads what ranks need while the controller starts
+        cluster = _new_cluster(options, kernel_address)
+    except BaseException:
+        if warm_process is not None:
+            warm_process.stop()
+        if allocation is not None:
+            allocation.release()
+        raise
+    if allocation is not None:
+        _allocations[id(cluster)] = allocation
+    if warm_process is not None:
+        _warm[id(cluster)] = warm_process
+    _launched_at[id(cluster)] = time.time()
+    try:
+        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
+        watched = [sys.executable, "-m", "nbdist.cluster.hosts.lifeline", str(os.getpid())]
+        cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.launching.controller", str(options.n)])
+        cluster.start_engines_sync(
+            options.n,
+            engine_cmd=(warm_process.engine_command() if warm_process is not None
+                        else [sys.executable, "-m", "nbdist.cluster.launching.ranks.main"]),
+            engine_args=[
+                "--IPEngine.enable_nanny=False",
+                "--log-level=40",
+                f"--IPEngine.wait_for_url_file={options.timeout}",
+            ],
+            mpi_cmd=[options.mpiexec()],
+            mpi_args=options.launch_args(kernel_address),
+            environment={**_engine_environment(options, lifeline, kernel_address),
+                         **(allocation.variables if allocation is not None else {})},
+        )
+        client = cluster.connect_client_sync()
+        _publish_engine_connection(cluster, lifeline, deadline)
+        checked = 0.0
+        while len(client.ids) < options.n:
+            if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
+                _check_alive(cluster)
+                checked = time.monotonic()
+            if time.monotonic() > deadline:
+                raise DistError(
+                    f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
+                    f"(raise --timeout?); engine output:\n{_tail(next(iter(cluster.engines.values())))}"
+                )
+            if while_waiting is None or not while_waiting():
+                while_waiting = None
+                time.sleep(0.005)
+    except BaseException:
+        stop_processes(cluster)
+        raise
+    return Launched(cluster=cluster, client=client, engine_ids=sorted(client.ids))
+
+
+def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,
+                               deadline: float) -> None:
+    """Send the controller's connection info for engines down the lifelines: engines on other hosts register with
+    it, so their hosts need no shared folder and keep no file of the cluster. The controller writes its engine file
+    just after the client file the client has read, so it may not be there, or whole, for a moment."""
+    path = cluster.controller.connection_files["engine"]
+    while True:
+        try:
+            with open(path) as f:
+                lifeline.publish_engine_connection(json.load(f))
+            return
+        except (OSError, ValueError):
+            _check_alive(cluster)
+            if time.monotonic() > deadline:
+                raise DistError(f"the controller wrote no connection file for engines ({path})") from None
+            time.sleep(0.005)
+
+
+def _process_groups(cluster: ipp.Cluster) -> list[int]:
+    launchers = [cluster.controller] + list(cluster.engines.values())
+    return [
+        launcher.pid
+        for launcher in launchers
+        if launcher is not None and getattr(launcher, "pid", None) and launcher.state == "running"
+    ]
+
+
+def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
+    """Every process of the cluster: controller, mpiexec, Hydra proxies, the engines (and the warm process that
+    forked them)."""
+    warm_process = _warm.get(id(cluster))
+    members = warm_process.processes() if warm_process is not None else []
+    for pgid in _process_groups(cluster):
+        try:
+            leader = psutil.Process(pgid)
+            members += [leader] + leader.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return members
+
+
+def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
+    """Kill controller and engines and wait until they are gone, leaving no process and no file behind.
+
+    ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
+    mpiexec, its proxies and the ranks (or the controller and its helper). The ranks go first: mpiexec then sees
+    its job end and exits by itself within milliseconds, tidying its files. Then one SIGKILL per group takes
+    whatever is left. Engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and on
+    other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
+    """
+    groups = _process_groups(cluster)
+    members = processes(cluster)
+    held = _hydra_files(members)
+    warm_process = _warm.get(id(cluster))
+    forked = warm_process.ranks() if warm_process is not None else []
+    ranks = list({p.pid: p for p in [p for p in members if _is_rank(p)] + forked}.values())
+    _kill(ranks)
+    _wait_gone(ranks + [p for p in members if _name(p) == "mpiexec"], timeout=0.5)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    _kill(members)  # members that left their group (a nanny, a daemon) go too
+    _wait_gone(members, timeout)
+    for path in held:  # Hydra's topology file, which a killed proxy cannot remove itself
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    mpi_segments.remove_left_since(_launched_at.pop(id(cluster), time.time()))  # a start killed before MPI's
+    warm_process = _warm.pop(id(cluster), None)
+    if warm_process is not None:
+        warm_process.stop()
+    _forget(cluster)
+    _close_lifeline(cluster)
+    allocation = _allocations.pop(id(cluster), None)
+    if allocation is not None:  # after the engines: giving it back first would end them under us
+        allocation.release()
+
+
+def lifeline_of(cluster: ipp.Cluster) -> lifeline_server.LifelineServer | None:
+    """The cluster's lifeline server: the line to its engines on other hosts."""
+    return _lifelines.get(id(cluster))
+
+
+def _close_lifeline(cluster: ipp.Cluster) -> None:
+    """After the processes: closing first would end the remote engines' lifelines, racing our own kills."""
+    server = _lifelines.pop(id(cluster), None)
+    if server is not None:
+        server.close()
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_rank(proc: psutil.Process) -> bool:
+    try:
+        return "nbdist.cluster.launching.ranks.main" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _hydra_files(procs: list[psutil.Process]) -> list[str]:
+    """Files Hydra (MPICH's mpiexec) keeps open in /tmp for its proxies; they outlive a killed proxy."""
+    files = []
+    for proc in procs:
+        try:
+            files += [f.path for f in proc.open_files() if os.path.basename(f.path).startswith("hydra_hwloc_")]
+        except psutil.Error:
+            pass
+    return files
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Wait until every process has exited. A zombie counts as gone: it holds no resources, only a pid entry
+    until its parent (or init, for orphaned ranks) reaps it; our own children we reap here."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and time.monotonic() < deadline:
+        pending = [p for p in pending if not _exited(p)]
+        if pending:
+            time.sleep(0.005)
+
+
+def _exited(proc: psutil.Process) -> bool:
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+        if proc.ppid() == os.getpid():
+            os.waitpid(proc.pid, os.WNOHANG)
+    except (psutil.NoSuchProcess, ChildProcessError):
+        pass
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forget(cluster: ipp.Cluster) -> None:
+    """Now that the processes are gone, remove the cluster's profile directory (connection files, logs) with
+    everything in it, and let ipyparallel know nothing is running."""
+    for launcher in [cluster.controller] + list(cluster.engines.values()):
+        if launcher is not None:
+            try:
+                launcher.get_output(remove=True)  # also stops ipyparallel's thread that follows the output file
+            except Exception:
+                pass
+    cluster.controller = None
+    cluster.engines = {}
+    cluster_files.remove_profile_dir(cluster.profile_dir)

@@ -1,0 +1,59 @@
+"""Engine entry point: `python -m nbdist.cluster.launching.ranks.main [ipengine args]`, launched by mpiexec once per rank.
+
+Order matters for start-up time: the lifeline first (no orphans), then the slow part (import torch, MPI
+rendezvous, process group) while the controller is still starting, and only then the ipyparallel engine, which
+waits for the controller's connection file if it is not there yet.
+
+An engine on another host than the kernel's reads no file of the cluster: the controller's connection info comes
+down its lifeline, and ipyparallel's profile directory there is an empty one of this user's, the same for every
+cluster, so that a host keeps nothing of a cluster after it (not even when the engines are killed).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+START_TIMEOUT_ENV = "NBDIST_START_TIMEOUT"  # seconds the start may take; an engine waits this long for the controller
+CONNECTION_ENV = "IPP_CONNECTION_INFO"  # ipyparallel's engine reads the controller's connection info here if set
+PROFILE_ENV = "IPP_PROFILE_DIR"  # ... and its profile directory here
+
+
+def main() -> None:
+    from nbdist.cluster.hosts import lifeline
+
+    lifeline.start()
+    from nbdist.cluster.launching import mpi_segments
+
+    mpi_segments.remove_stale()  # an earlier start on this host killed before MPI's start was done left these
+    from nbdist.cluster.launching.ranks import boot
+
+    boot.boot()
+    if not lifeline.on_kernel_host():
+        _connect_from_another_host(lifeline)
+    from ipyparallel.engine.app import main as ipengine_main
+
+    sys.argv[0] = "ipengine"
+    ipengine_main()
+
+
+def _connect_from_another_host(lifeline) -> None:
+    """Take the controller's connection info from the lifeline and use a profile directory of this host's."""
+    timeout = float(os.environ.get(START_TIMEOUT_ENV, "60"))
+    info = lifeline.engine_connection_info(timeout)
+    if info is None:
+        sys.exit(f"nbdist engine on {os.uname().nodename}: no connection info from the kernel within {timeout:g} s")
+    os.environ[CONNECTION_ENV] = info
+    os.environ[PROFILE_ENV] = engine_profile_dir()
+
+
+def engine_profile_dir() -> str:
+    """An empty ipyparallel profile directory of this user's on this host (engines write nothing into it)."""
+    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    path = os.path.join(tempfile.gettempdir(), f"nbdist-{user}", "engine-profile")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Ranks forked from the kernel, as accelerate's notebook_launcher forks its workers: the start of a one-host
+cluster without each rank importing torch again.
+
+At start the kernel forks one warm process (cluster/launching/ranks/zygote.py), which has everything the kernel imported
+(torch, usually), loads what ranks need besides (torch._dynamo, which DDP's constructor imports; the engine), and
+forks a rank for each stand-in mpiexec starts (cluster/launching/ranks/warm_stub.py). The MPI job, its launcher and every
+promise of a launched cluster stay as they are; only where a rank's interpreter comes from changes.
+
+Used when every engine runs on the kernel's host, on Linux, and while the kernel has initialised neither CUDA (a
+forked CUDA context is unusable; the kernel never touches CUDA, but a user's cell may), nor MPI (a kernel's MPI is a
+world of one), nor holds NVML open (nbdist's kernel side opens it only to count GPUs, and closes it).
+`fork=False` (`%dist_start --no-fork`) or `NBDIST_WARM=0` launches fresh ranks instead. The warm process listens on
+a Unix socket in a folder only this user can open, forks only for processes of this user, and dies with the kernel.
+
+The kernel, meanwhile, would only wait: it loads the modules a first training needs (`loader`).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import psutil
+
+WARM_ENV = "NBDIST_WARM"  # "0": launch fresh ranks even where they could be forked
+STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks", "warm_stub.py")
+
+# What a notebook's next cells need in the kernel (a Trainer, a plan, its dashboard in a kernel): imported while the
+# start waits for the engines, one module between two looks, instead of after it (about 0.1 s, measured); only in a
+# kernel that has torch already (they import it: 1-3 s, not for a kernel that may never need it)
+LOADED_WHILE_STARTING = ("nbdist.training.trainer", "nbdist.sharding.plan")
+LOADED_IN_A_KERNEL = ("nbdist.training.dashboard",)  # its widgets and plotly: only where it can be shown
+
+
+@dataclass
+class WarmProcess:
+    """The kernel's warm process: its pid and the socket its ranks' stand-ins connect to."""
+
+    pid: int
+    path: str
+    forker: threading.Event  # set at stop: the thread that forked it may end (its end would end the warm process)
+
+    def engine_command(self) -> list[str]:
+        """What mpiexec runs per rank: the stand-in (no site packages: it starts in milliseconds)."""
+        return [sys.executable, "-S", STUB, self.path]
+
+    def processes(self) -> list[psutil.Process]:
+        """The warm process and the ranks it forked."""
+        try:
+            me = psutil.Process(self.pid)
+            return [me] + me.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def ranks(self) -> list[psutil.Process]:
+        return self.processes()[1:]
+
+    def stop(self) -> None:
+        """Kill it (its ranks are killed before, by the cluster's stop) and remove its socket's folder."""
+        self.forker.set()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # its own session and group, with every rank it forked
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+def usable(multi_host: bool) -> str | None:
+    """Why ranks cannot be forked here (None when they can)."""
+    if os.environ.get(WARM_ENV, "1") == "0":
+        return f"{WARM_ENV}=0"
+    if multi_host:
+        return "engines on other hosts"
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return "not Linux"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "this kernel has initialised CUDA"
+    if "mpi4py.MPI" in sys.modules:  # a kernel's MPI is a world of one: its forks would inherit it
+        return "this kernel has loaded MPI"
+    if getattr(sys.modules.get("pynvml"), "_nvmlLib_refcount", 0) > 0:  # NVML's open devices are not a fork's
+        return "this kernel holds NVML open"
+    return None
+
+
+def start() -> WarmProcess:
+    """Fork the warm process; it serves from the moment this returns (requests wait while it loads)."""
+    folder = tempfile.mkdtemp(prefix="nbdist-warm-")  # 0700: only this user reaches the socket
+    path = os.path.join(folder, "ranks.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(256)
+        forker = threading.Event()
+        pid = _fork_from_a_fresh_thread(listener, forker)
+    except BaseException:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    listener.close()
+    return WarmProcess(pid=pid, path=path, forker=forker)
+
+
+def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event) -> int:
+    """Fork from a thread that has never run torch's parallel loops: GNU OpenMP keeps its worker threads per thread
+    that started them, and a fork of a thread that has some (the kernel's main thread, once a cell ran a large
+    tensor operation) hangs at its first parallel loop; a fork of a fresh thread starts OpenMP afresh (tried:
+    the first hangs, the second runs). The forking thread becomes the warm process's main thread. It then waits
+    for `forker` (the cluster's stop): Linux's parent-death signal, which ends the warm process with the kernel,
+    follows the thread that forked, not the whole kernel."""
+    kernel_pid = os.getpid()
+    forked: list = []
+    for stream in (sys.stdout, sys.stderr):  # a fork copies what they hold: flushed there, it would show twice
+        if stream is not None:
+            stream.flush()
+
+    def fork() -> None:
+        try:
+            pid = os.fork()
+        except BaseException as e:  # noqa: BLE001 - said in the kernel's thread
+            forked.append(e)
+            ready.set()
+            return
+        if pid == 0:
+            from nbdist.cluster.launching.ranks import zygote
+
+            zygote.serve(listener, kernel_pid)  # never returns
+        forked.append(pid)
+        ready.set()
+        forker.wait()
+
+    ready = threading.Event()
+    thread = threading.Thread(target=fork, name="nbdist-warm-fork", daemon=True)
+    thread.start()
+    ready.wait()
+    if isinstance(forked[0], BaseException):
+        raise forked[0]
+    return forked[0]
+
+
+def loader(names: Sequence[str]) -> Callable[[], bool]:
+    """A step at a time, import the next of `names` (and, in an IPython kernel, of LOADED_IN_A_KERNEL) not yet
+    imported, where torch is; False once none is left. A module that fails to import is left for its real import
+    to report."""
+    wanted = (*names, *(LOADED_IN_A_KERNEL if "ipykernel" in sys.modules else ())) if "torch" in sys.modules else ()
+    pending = [name for name in wanted if name not in sys.modules]
+
+    def load_next() -> bool:
+        if not pending:
+            return False
+        try:
+            importlib.import_module(pending.pop(0))
+        except Exception:  # noqa: BLE001 - said where the module is used, if it is
+            pass
+        return True
+
+    return load_next

@@ -1,0 +1,1 @@
+"""The rank-side runtime: placement.py, memory.py, registry.py, devices.py, compat.py. Runs on the engines."""
