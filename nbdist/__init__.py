@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from nbdist.errors import DistError, DistInterrupt, DistUsageError
+from nbdist.lazy import submodules_on_demand as _submodules_on_demand
 
 __version__ = "0.1.0"
 __all__ = [
@@ -73,22 +74,7 @@ def mesh(cluster=None, **dims: int):
     return (cluster or current()).mesh(**dims)
 
 
-def submodules_on_demand(package: str):
-    """A package's `__getattr__` that imports its submodule `name` when first asked (`nbdist.cluster.meshes.mesh`)."""
-
-    def __getattr__(name: str):
-        if not name.startswith("_"):
-            try:
-                return importlib.import_module(f"{package}.{name}")
-            except ModuleNotFoundError as e:
-                if e.name != f"{package}.{name}":
-                    raise
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__
-
-
-_submodule = submodules_on_demand(__name__)
+_submodule = _submodules_on_demand(__name__)
 
 
 def __getattr__(name: str):

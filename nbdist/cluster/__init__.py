@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-from nbdist import submodules_on_demand
+from nbdist.lazy import submodules_on_demand
 
 _API = ("Cluster", "Status", "current", "start", "stop", "parse_rank_spec")
 _submodule = submodules_on_demand(__name__)
