@@ -27,7 +27,6 @@ from hosts import SshHosts, made_or_skip
 
 import nbdist
 from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
-from nbdist.cluster.launching import launch
 from nbdist.cluster.options import ClusterOptions
 
 _PIDFD_GETFD = 438  # the same number on every Linux architecture
@@ -64,7 +63,7 @@ def _listeners(procs: list[psutil.Process]) -> list[Listener]:
 
 def _cluster_listeners(cluster: nbdist.Cluster) -> list[Listener]:
     """The cluster's processes' listeners, and the kernel's lifeline server (a thread of this process)."""
-    server = launch.lifeline_of(cluster._launched.cluster)  # a forked rank's /proc environ is its kernel's
+    server = cluster._launched.lifeline  # a forked rank's /proc environ is its kernel's
     lifeline_port = int(server.environment()[ADDRESS_ENV].rpartition(":")[2])
     own = [listener for listener in _listeners([psutil.Process()]) if listener.port == lifeline_port]
     assert own, "the lifeline server is not listening"

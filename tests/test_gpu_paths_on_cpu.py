@@ -5,6 +5,7 @@ import pytest
 import nbdist
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.waiting.ranks import gpu_sync
+from nbdist.cluster.waiting.recovery import Recovery
 from nbdist.cluster.waiting.remote import Waiter
 
 
@@ -23,14 +24,20 @@ def fail_on_rank_one(rank_of):
     return "ok"
 
 
-def waiter(cluster, ar, calls: list) -> Waiter:
-    def after_failure() -> str:
-        calls.append(True)
+class Counted(Recovery):
+    """The cluster's own answers, with bringing the ranks back in step counted and said."""
+
+    def __init__(self, cluster, calls: list):
+        super().__init__(cluster, cluster._launched, cluster._info, cluster._view, cluster._mark_ended)
+        self.calls = calls
+
+    def back_in_step(self) -> str:
+        self.calls.append(True)
         return "the ranks were brought back in step"
 
-    return Waiter(ar=ar, ranks=[0, 1], pids={row["rank"]: (row["host"], row["pid"]) for row in cluster.status().rows},
-                  restart=cluster.restart, engines_alive=cluster._engines_alive, signal_rank=cluster.signal_rank,
-                  after_failure=after_failure)
+
+def waiter(cluster, ar, calls: list) -> Waiter:
+    return Waiter(ar=ar, ranks=[0, 1], on=Counted(cluster, calls))
 
 
 def test_a_failure_asks_to_bring_the_ranks_back_in_step_and_says_so(two):
@@ -52,5 +59,5 @@ def test_no_failure_no_resynchronisation(two):
 
 def test_cpu_ranks_are_always_in_step(two):
     assert two.run(gpu_sync.synchronise, 1.0) == [True, True]
-    assert two._gpus_in_step().endswith("in step")
-    assert two._back_in_step() == ""  # CPU engines, no MPI-backend group: nothing to do, nothing said
+    assert two._recovery().gpus_in_step().endswith("in step")
+    assert two._recovery().back_in_step() == ""  # CPU engines, no MPI-backend group: nothing to do, nothing said

@@ -251,16 +251,15 @@ def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int], int]:
     holds one, and its inspector's line: cluster/waiting/ranks/inspector.py) and how many lifelines the server holds; stop it."""
     import nbdist
     from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
-    from nbdist.cluster.launching import launch
 
     threads = _lifeline_threads()
     with nbdist.Cluster(nbdist.cluster.options.ClusterOptions(n=2, mpi_args=mpi_args)) as c:
         assert c.run(lambda: 7) == [7, 7]
         engines = _engines(c.processes())
-        port = int(launch.lifeline_of(c._launched.cluster).environment()[ADDRESS_ENV].rpartition(":")[2])
+        port = int(c._launched.lifeline.environment()[ADDRESS_ENV].rpartition(":")[2])
         assert port in _listening_ports() and _lifeline_threads() == threads + 1
         links = [_lifeline_links(e, port) for e in engines]
-        held = launch.lifeline_of(c._launched.cluster).held()
+        held = c._launched.lifeline.held()
     assert _lifeline_threads() == threads and port not in _listening_ports()  # stop closed the server
     return port, links, held
 

@@ -49,15 +49,19 @@ def _interrupted_start(after: float) -> DistInterrupt | None:
     finished first (its cluster is stopped)."""
     timer = threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
+    cluster = None
     try:
-        cluster = _start()
-    except DistInterrupt as interrupted:
-        return interrupted
-    finally:
-        timer.cancel()
-        timer.join()
-    time.sleep(max(0.0, after))  # the interrupt may still be on its way: let it land here, not in the next case
-    cluster.stop()
+        try:
+            cluster = _start()
+        except DistInterrupt as interrupted:
+            return interrupted
+        finally:
+            timer.cancel()
+            timer.join()
+        time.sleep(max(0.0, after))  # the interrupt may still be on its way: let it land here, not in the next case
+    finally:  # also where it landed after the start had returned (a loaded machine): that cluster is stopped too
+        if cluster is not None:
+            cluster.stop()
     return None
 
 

@@ -22,7 +22,7 @@ from warm_scenarios import (
 )
 
 import nbdist
-from nbdist.cluster.launching import launch, warm
+from nbdist.cluster.launching import warm
 from nbdist.errors import DistUsageError
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_scenarios.py")
@@ -51,7 +51,7 @@ def test_ranks_are_forked_from_the_kernel_and_form_one_world():
 def test_fresh_ranks_when_asked_or_when_forking_cannot_work():
     cluster = nbdist.Cluster(n=2, cpu=True, fork=False).start()
     try:
-        assert id(cluster._launched.cluster) not in launch._warm
+        assert cluster._launched.warm_process is None
         pids = [r["pid"] for r in cluster.run(_world)]
         assert all(psutil.Process(pid).parent().name() == "hydra_pmi_proxy" for pid in pids)
     finally:

@@ -16,7 +16,7 @@ import psutil
 from processes import wait_until_gone
 
 import nbdist
-from nbdist.cluster.launching import launch, warm
+from nbdist.cluster.launching import warm
 from nbdist.errors import DistError
 
 
@@ -34,7 +34,8 @@ def _world() -> dict:
 
 def _started(n: int = 2) -> tuple[nbdist.Cluster, warm.WarmProcess]:
     cluster = nbdist.Cluster(n=n, cpu=True).start()
-    return cluster, launch._warm[id(cluster._launched.cluster)]  # KeyError: the ranks were not forked
+    assert cluster._launched.warm_process is not None, "the ranks were not forked"
+    return cluster, cluster._launched.warm_process
 
 
 def world() -> dict:

@@ -31,8 +31,7 @@ from nbdist.cluster.meshes.mesh import Mesh, layout
 from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.cluster.options import ClusterOptions, run_timeout
 from nbdist.cluster.status import Status
-from nbdist.cluster.waiting.deaths import DeathWatch
-from nbdist.cluster.waiting.ranks import gpu_sync
+from nbdist.cluster.waiting.recovery import Recovery
 from nbdist.cluster.waiting.remote import SHOW_MODES, OutputRelay, Waiter
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
 from nbdist.runtime.ranks import registry
@@ -42,7 +41,6 @@ _starting = threading.RLock()  # nbdist.start() and nbdist.stop() one at a time:
 _running: "set[Cluster]" = set()  # every started cluster, so that exit stops them all
 _generations = itertools.count(1)  # every start of any cluster gets its own number (see Cluster.generation)
 WHY_SECONDS = 1.5  # how long Cluster.why waits for the ranks' reports
-GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
 
 
 class Cluster:
@@ -115,17 +113,12 @@ class Cluster:
         """Stop every engine, the controller and mpiexec; nothing is left running."""
         launched, self._launched = self._launched, None
         _running.discard(self)
-        if launched is None:
-            return
-        try:
-            launched.client.close(linger=0)
-        except Exception:
-            pass
-        launch.stop_processes(launched.cluster)
+        if launched is not None:
+            launched.stop()
 
     def processes(self) -> list:
         """The cluster's processes (psutil.Process): controller, mpiexec, proxies, engines."""
-        return launch.processes(self._launched.cluster) if self._launched else []
+        return self._launched.processes() if self._launched else []
 
     def restart(self) -> "Cluster":
         """Fresh engines and process group with the same options (e.g. after a hang)."""
@@ -165,21 +158,15 @@ class Cluster:
         return chosen_ranks(ranks, self.world_size)
 
     def _waiter(self, ar, ranks: list[int], timeout: float | None, show: set[int] | None, progress=None) -> Waiter:
-        return Waiter(
-            progress=progress,
-            ar=ar,
-            ranks=ranks,
-            pids=self._engine_pids(),
-            restart=self.restart,
-            engines_alive=self._engines_alive,
-            timeout=timeout,
-            relay=OutputRelay(ranks, show, keep=self._keep_output) if show is not None else None,
-            after_failure=self._back_in_step,
-            death=self._death_watch().check,
-            after_death=self._after_death,
-            signal_rank=self.signal_rank,
-            why=self.why,
-        )
+        return Waiter(ar=ar, ranks=ranks, on=self._recovery(), timeout=timeout, progress=progress,
+                      relay=OutputRelay(ranks, show, keep=self._keep_output) if show is not None else None)
+
+    def _recovery(self) -> Recovery:
+        """What this cluster answers its waiters (who died, how to interrupt, how to get back in step)."""
+        return Recovery(self, self._require_running(), self._info, self._view, self._mark_ended)
+
+    def _mark_ended(self) -> None:
+        self._ended = True  # an engine died, which ended the MPI job: the next use says so until a restart
 
     def _keep_output(self, rank: int, stream: str, text: str) -> str | None:
         """Write a rank's output too long for the cell to a file in the cluster's folder (removed at stop); its path,
@@ -208,71 +195,12 @@ class Cluster:
             except ProcessLookupError:
                 return False
             return True
-        server = launch.lifeline_of(self._launched.cluster) if self._launched is not None else None
+        server = self._launched.lifeline if self._launched is not None else None
         return server is not None and server.signal(row["host"], row["pid"], int(number))
 
     def _engine_pids(self) -> dict[int, tuple[str, int]]:
         """rank -> (host, pid) of its engine, as the ranks last said (at start, or in status())."""
         return {row["rank"]: (row["host"], row["pid"]) for row in self._info}
-
-    def _death_watch(self) -> DeathWatch:
-        engines = next(iter(self._require_running().cluster.engines.values()), None)
-        server = launch.lifeline_of(self._launched.cluster)
-        return DeathWatch(self._engine_pids(), getattr(engines, "output_file", None),
-                          lost=server.lost if server else None,
-                          launched={row["rank"]: row.get("launched_pid") or row["pid"] for row in self._info})
-
-    def _after_death(self) -> str:
-        """One rank's death ended the MPI job: the cluster says so on its next use (until restarted), so that the
-        error names the dead rank at once rather than after the seconds a restart takes."""
-        self._ended = True
-        return "%dist_restart (or cluster.restart()) starts fresh engines; engine variables are lost"
-
-    def _back_in_step(self) -> str:
-        """After a rank failed and the engines survived: GPUs synchronised (or the engines restarted), then nbdist's
-        MPI groups renewed. Returns what was done, for the error line ("" when nothing needed doing)."""
-        generation = self.generation
-        done = self._gpus_in_step() if any(d.startswith("cuda") for d in self.devices) else ""
-        if self.generation != generation:  # restarted: fresh engines hold no group to renew
-            return done
-        return "; ".join(part for part in (done, self._renew_mpi_groups()) if part)
-
-    def _renew_mpi_groups(self) -> str:
-        """After ranks were interrupted inside an operation of nbdist's MPI backend, its groups are out of step (MPI
-        cannot cancel a collective): every rank gives each of them a fresh communicator (engine/mpi_backend.renew),
-        and the engines and their variables are kept. Said only where some rank gave up an operation."""
-        from nbdist.backend.ranks import mpi_backend
-
-        try:
-            renewed = self._view(list(range(self.world_size))).apply_async(mpi_backend.renew).get(timeout=60)
-        except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
-            return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
-        count = max((len(r["renewed"]) for r in renewed), default=0)
-        if not any(r["broken"] for r in renewed):
-            return ""  # no operation was given up: renewed quietly (a stray message may have been left behind)
-        return f"their {count} MPI group(s) renewed, engine variables kept"
-
-    def _gpus_in_step(self) -> str:
-        """After a rank failed on GPUs: NCCL collectives the others queued may wait for it and later pair with the
-        wrong operation. Every rank synchronises its GPU within GPU_SYNC_SECONDS; if one cannot, the only safe way
-        back is fresh engines (cluster/waiting/ranks/gpu_sync.py). Returns what was done, for the error line."""
-        ranks = list(range(self.world_size))
-        try:
-            ar = self._view(ranks).apply_async(gpu_sync.synchronise, GPU_SYNC_SECONDS)
-            finished = ar.get(timeout=GPU_SYNC_SECONDS + 10)
-        except Exception:
-            finished = [False] * len(ranks)
-        behind = [r for r, ok in zip(ranks, finished) if ok is not True]
-        if not behind:
-            return f"every rank's GPU work then completed (synchronised within {GPU_SYNC_SECONDS:g} s): in step"
-        self.restart()
-        return (f"rank(s) {', '.join(map(str, behind))} still had GPU work waiting after {GPU_SYNC_SECONDS:g} s "
-                "(an NCCL operation the failed rank never joined), so nbdist restarted the engines: fresh processes "
-                "and process group, engine variables lost")
-
-    def _engines_alive(self) -> bool:
-        launched = self._launched
-        return launched is not None and all(es.state == "running" for es in launched.cluster.engines.values())
 
     def _view(self, ranks: list[int]):
         client = self._require_running().client
@@ -354,7 +282,7 @@ class Cluster:
         launched = self._launched  # not _require_running: a background run holding the engines is why one asks
         if launched is None or self._ended:
             self._require_running()  # says why not, in one line
-        server = launch.lifeline_of(launched.cluster)
+        server = launched.lifeline
         processes = self._engine_pids()
         reports = server.inspect(list(processes.values()), timeout) if server is not None else {}
         view = explain({rank: reports.get(process) for rank, process in processes.items()})

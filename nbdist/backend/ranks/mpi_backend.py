@@ -92,16 +92,7 @@ def renew() -> dict:
     for ref in _groups:
         group = ref()
         if group is not None:
-            broken += group._broken is not None
-            abandoned.append(((), (group._comm,)))  # not freed: a request abandoned on it may still be pending
-            group._comm, group._broken = _communicator(group.global_ranks), None
-            group._agreement_buffers = Agreement.new_buffers(group._n)  # an abandoned all-gather may write the old
-            group._sums = SumAgreement(group._n)
-            group.generation += 1  # works still pending on the old communicator no longer mark the group
-            recorder.close_run()  # its open run counts calls of the old numbering
-            group.calls = 0  # numbered afresh on every rank: a rank that gave up earlier than others made fewer
-            group.recorded_as = (*group.recorded_as[:2], group.generation)  # its call #1 from before
-            # the renewal is not this one (the notebook's hang view compares generations, debugging/hang.py)
+            broken += group.renew()
             renewed.append(group.global_ranks)
     return {"renewed": renewed, "broken": broken}
 
@@ -157,6 +148,22 @@ class MpiProcessGroup(MovingData, dist.ProcessGroup):
         roll_call.known(self)
 
     # -- what torch asks of a process group ------------------------------------------------------------------
+
+    def renew(self) -> bool:
+        """A fresh MPI communicator for this group, its agreement state and call numbering started afresh (see the
+        module's renew(), which calls it on every rank, for every group, in the same order). Whether the group had
+        given up an operation on this rank."""
+        was_broken = self._broken is not None
+        abandoned.append(((), (self._comm,)))  # not freed: a request abandoned on it may still be pending
+        self._comm, self._broken = _communicator(self.global_ranks), None
+        self._agreement_buffers = Agreement.new_buffers(self._n)  # an abandoned all-gather may write the old ones
+        self._sums = SumAgreement(self._n)
+        self.generation += 1  # works still pending on the old communicator no longer mark the group
+        recorder.close_run()  # its open run counts calls of the old numbering
+        self.calls = 0  # numbered afresh on every rank: a rank that gave up earlier than others made fewer
+        self.recorded_as = (*self.recorded_as[:2], self.generation)  # its call #1 from before the renewal is not
+        # this one (the notebook's hang view compares generations, debugging/hang.py)
+        return was_broken
 
     def getBackendName(self) -> str:
         return NAME

@@ -27,7 +27,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import ipyparallel as ipp
@@ -48,17 +48,38 @@ ALIVE_CHECK_SECONDS = 0.05  # how often a start looks whether mpiexec or the con
 
 @dataclass
 class Launched:
-    """A running ipyparallel cluster and the client connected to it."""
+    """What a launch made, owned until it is stopped: the ipyparallel cluster and the client connected to it, the
+    lifeline server its engines hold, the Slurm allocation it runs in (--slurm), the warm process its ranks were
+    forked from, and when its engines were launched (MPICH's files left since then are its own)."""
 
     cluster: ipp.Cluster
-    client: ipp.Client
-    engine_ids: list[int]
+    client: ipp.Client | None = None
+    engine_ids: list[int] = field(default_factory=list)
+    lifeline: lifeline_server.LifelineServer | None = None
+    allocation: slurm.Allocation | None = None
+    warm_process: warm.WarmProcess | None = None
+    launched_at: float = field(default_factory=time.time)
 
+    def processes(self) -> list[psutil.Process]:
+        """Every process of the cluster: controller, mpiexec, Hydra proxies, the engines, the warm process."""
+        return processes(self.cluster, self.warm_process)
 
-_lifelines: dict[int, lifeline_server.LifelineServer] = {}  # id(ipp.Cluster) -> its lifeline server, until stopped
-_allocations: dict[int, slurm.Allocation] = {}  # id(ipp.Cluster) -> the Slurm allocation it runs in (--slurm)
-_warm: dict[int, warm.WarmProcess] = {}  # id(ipp.Cluster) -> the warm process its ranks are forked from
-_launched_at: dict[int, float] = {}  # id(ipp.Cluster) -> time.time() as its engines were launched (mpi_segments)
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the client and end everything the launch made; nothing is left running or on disk."""
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except Exception:
+                pass
+        stop_processes(self.cluster, self.warm_process, timeout)
+        mpi_segments.remove_left_since(self.launched_at)  # a start killed before MPI's own clean-up
+        if self.warm_process is not None:
+            self.warm_process.stop()
+        _forget(self.cluster)
+        if self.lifeline is not None:  # after the processes: closing first would end the remote engines'
+            self.lifeline.close()  # lifelines, racing our own kills
+        if self.allocation is not None:  # after the engines: giving it back first would end them under us
+            self.allocation.release()
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -222,13 +243,9 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         if allocation is not None:
             allocation.release()
         raise
-    if allocation is not None:
-        _allocations[id(cluster)] = allocation
-    if warm_process is not None:
-        _warm[id(cluster)] = warm_process
-    _launched_at[id(cluster)] = time.time()
+    launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
     try:
-        lifeline = _lifelines[id(cluster)] = lifeline_server.serve(kernel_address)
+        lifeline = launched.lifeline = lifeline_server.serve(kernel_address)
         watched = [sys.executable, "-m", "nbdist.cluster.hosts.lifeline", str(os.getpid())]
         cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.launching.controller", str(options.n)])
         cluster.start_engines_sync(
@@ -245,7 +262,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
             environment={**_engine_environment(options, lifeline, kernel_address),
                          **(allocation.variables if allocation is not None else {})},
         )
-        client = cluster.connect_client_sync()
+        client = launched.client = cluster.connect_client_sync()
         _publish_engine_connection(cluster, lifeline, deadline)
         checked = 0.0
         while len(client.ids) < options.n:
@@ -261,9 +278,10 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                 while_waiting = None
                 time.sleep(0.005)
     except BaseException:
-        stop_processes(cluster)
+        launched.stop()
         raise
-    return Launched(cluster=cluster, client=client, engine_ids=sorted(client.ids))
+    launched.client, launched.engine_ids = client, sorted(client.ids)
+    return launched
 
 
 def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,
@@ -293,10 +311,9 @@ def _process_groups(cluster: ipp.Cluster) -> list[int]:
     ]
 
 
-def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
-    """Every process of the cluster: controller, mpiexec, Hydra proxies, the engines (and the warm process that
-    forked them)."""
-    warm_process = _warm.get(id(cluster))
+def processes(cluster: ipp.Cluster, warm_process: warm.WarmProcess | None = None) -> list[psutil.Process]:
+    """Every process of an ipyparallel cluster (nbdist's, or a plain one): controller, mpiexec, Hydra proxies, the
+    engines, and the warm process that forked them, if any."""
     members = warm_process.processes() if warm_process is not None else []
     for pgid in _process_groups(cluster):
         try:
@@ -307,8 +324,9 @@ def processes(cluster: ipp.Cluster) -> list[psutil.Process]:
     return members
 
 
-def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
-    """Kill controller and engines and wait until they are gone, leaving no process and no file behind.
+def stop_processes(cluster: ipp.Cluster, warm_process: warm.WarmProcess | None = None,
+                   timeout: float = 5.0) -> None:
+    """Kill controller and engines and wait until they are gone, leaving no process of theirs behind.
 
     ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
     mpiexec, its proxies and the ranks (or the controller and its helper). The ranks go first: mpiexec then sees
@@ -317,9 +335,8 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
     other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
     """
     groups = _process_groups(cluster)
-    members = processes(cluster)
+    members = processes(cluster, warm_process)
     held = _hydra_files(members)
-    warm_process = _warm.get(id(cluster))
     forked = warm_process.ranks() if warm_process is not None else []
     ranks = list({p.pid: p for p in [p for p in members if _is_rank(p)] + forked}.values())
     _kill(ranks)
@@ -333,27 +350,6 @@ def stop_processes(cluster: ipp.Cluster, timeout: float = 5.0) -> None:
             os.remove(path)
         except OSError:
             pass
-    mpi_segments.remove_left_since(_launched_at.pop(id(cluster), time.time()))  # a start killed before MPI's
-    warm_process = _warm.pop(id(cluster), None)
-    if warm_process is not None:
-        warm_process.stop()
-    _forget(cluster)
-    _close_lifeline(cluster)
-    allocation = _allocations.pop(id(cluster), None)
-    if allocation is not None:  # after the engines: giving it back first would end them under us
-        allocation.release()
-
-
-def lifeline_of(cluster: ipp.Cluster) -> lifeline_server.LifelineServer | None:
-    """The cluster's lifeline server: the line to its engines on other hosts."""
-    return _lifelines.get(id(cluster))
-
-
-def _close_lifeline(cluster: ipp.Cluster) -> None:
-    """After the processes: closing first would end the remote engines' lifelines, racing our own kills."""
-    server = _lifelines.pop(id(cluster), None)
-    if server is not None:
-        server.close()
 
 
 def _kill(procs: list[psutil.Process]) -> None:

@@ -19,12 +19,15 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from nbdist.cluster.waiting.deaths import unreachable_line
 from nbdist.cluster.waiting.tracebacks import grouped, ranks_label, remote_summary, remote_traceback, whole_traceback
 from nbdist.errors import DistError, DistInterrupt
 from nbdist.units import format_bytes
+
+if TYPE_CHECKING:
+    from nbdist.cluster.waiting.recovery import WaitedOn
 
 ERROR_GRACE_SECONDS = 1.0  # after one rank fails, how long the others may take to finish (or fail) by themselves
 INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop before we restart the engines (1.5 s was
@@ -147,22 +150,16 @@ def _interrupts_deferred() -> Iterator[None]:
 
 @dataclass
 class Waiter:
-    """Waits for one multi-rank AsyncResult. `restart` is called when stuck ranks cannot be freed otherwise."""
+    """Waits for one multi-rank AsyncResult, asking the cluster (`on`: one small interface, recovery.WaitedOn) who
+    died, how to interrupt a rank, how to bring the ranks back in step, and to restart when nothing else frees them."""
 
     ar: object
     ranks: Sequence[int]
-    pids: dict[int, tuple[str, int]]  # rank -> (host, pid)
-    restart: Callable[[], None]
-    engines_alive: Callable[[], bool]
-    signal_rank: Callable[[int, int], bool]  # send rank r signal s, on any host (Cluster.signal_rank)
+    on: WaitedOn
     timeout: float | None = None
     relay: OutputRelay | None = None
     progress: Callable[[object], None] | None = None  # called with the AsyncResult while waiting (live views)
     progress_every: float = 0.5
-    after_failure: Callable[[], str] | None = None  # bring the ranks back in step (NCCL, MPI groups), say how
-    death: Callable[[], str | None] | None = None  # a line naming the rank that died, or None (deaths.DeathWatch)
-    after_death: Callable[[], str] | None = None  # what follows a death (says it); None: restart the engines
-    why: Callable[[], object] | None = None  # the hang view (Cluster.why): asked before stuck ranks are freed
     _restarted: bool = False
     _viewed: bool = False  # the hang view was shown: where each rank was is said, not its interrupt's traceback
 
@@ -212,10 +209,10 @@ class Waiter:
     def _why(self, reason: str) -> str:
         """Before stuck ranks are freed, ask what they wait in (the hang view, shown in the cell); its sentence
         joins `reason`. Nothing is asked when no rank is still running or nothing can ask."""
-        if self.why is None or not self._pending_ranks():
+        if not self._pending_ranks():
             return reason
         try:
-            view = self.why()
+            view = self.on.why()
         except Exception as e:  # the view must never hide the failure it explains
             return f"{reason} (the hang view failed: {type(e).__name__}: {e})"
         self._relay()
@@ -225,8 +222,7 @@ class Waiter:
 
     def _death(self) -> str | None:
         """A line naming the rank that died, as soon as its process is gone (the launcher notices seconds later)."""
-        said = self.death() if self.death is not None else None
-        return said or (None if self.engines_alive() else DIED)
+        return self.on.death() or (None if self.on.alive() else DIED)
 
     def _silent(self) -> str | None:
         """Ranks the controller lost (no heartbeat: ipyparallel reports them as EngineError) that no death watch
@@ -234,13 +230,15 @@ class Waiter:
         lost = sorted(r for r, e in self._failed_ranks().items() if _engine_died(e))
         if not lost:
             return None
-        return unreachable_line({r: self.pids[r][0] for r in lost})
+        pids = self.on.pids()
+        return unreachable_line({r: pids[r][0] for r in lost})
 
     def _after_death(self) -> str:
-        if self.after_death is None:
+        said = self.on.after_death()
+        if said is None:
             return self._restart()
         self._restarted = True  # nothing is left to bring back in step
-        return self.after_death()
+        return said
 
     # -- per-rank state -------------------------------------------------------------------------------------
 
@@ -283,22 +281,22 @@ class Waiter:
         )
 
     def _back_in_step(self, action: str | None) -> str | None:
-        """After a failure the engines survived: `after_failure` brings them back in step; its words join the line."""
-        if self.after_failure is None or self._restarted:
+        """After a failure the engines survived: the cluster brings them back in step; its words join the line."""
+        if self._restarted:
             return action
-        return "; ".join(part for part in (action, self.after_failure()) if part) or None
+        return "; ".join(part for part in (action, self.on.back_in_step()) if part) or None
 
     def _restart(self) -> str:
         self._finish_output()
         self._restarted = True
         with _interrupts_deferred():
-            self.restart()
+            self.on.restart()
         return "so nbdist restarted the engines: fresh processes and process group, engine variables lost"
 
     def _interrupt(self, ranks: Sequence[int]) -> None:
         """SIGINT to each rank, on this host or another (through its lifeline: Cluster.signal_rank)."""
         for rank in ranks:
-            self.signal_rank(rank, signal.SIGINT)
+            self.on.signal_rank(rank, signal.SIGINT)
 
     # -- results ----------------------------------------------------------------------------------------------
 
