@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does the sharding planner predict what the engines then hold and take: memory within 10 %, step time within 25 %?
+"""Does a sharding plan predict what the engines then hold and take: memory within 10 %, step time within 25 %?
 
 The question (issue 11's second performance target). For each strategy of a plan on this machine's engines
 (nbdist.shard(...) of the package's transformer, Adam, float32): the plan's prediction made before it runs

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How long does the planner take to profile a user's model: within 2 s on 2 engines?
+"""How long does nbdist.shard take to profile a user's model: within 2 s on 2 engines?
 
 The question (issue 40): models nbdist did not write (a Hugging Face Llama, GPT-2 and BERT with random weights, a
 ResNet-style CNN with BatchNorm: tests/user_models.py) planned with an example input on `nbdist.start(2)`:

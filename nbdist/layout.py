@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from nbdist.checks import whole_number
-from nbdist.cluster.meshes.mesh import Mesh, layout
+from nbdist.cluster.meshes.mesh import Mesh, make_mesh
 from nbdist.cost.memory import check_zero
 from nbdist.errors import DistUsageError
 
@@ -64,7 +64,7 @@ class Layout:
 
     def mesh(self) -> Mesh:
         """Which rank is which replica, stage and slice, as plain data (nothing built on the ranks)."""
-        return layout(self.ranks, pp=self.pp, dp=self.dp, tp=self.tp)
+        return make_mesh(self.ranks, pp=self.pp, dp=self.dp, tp=self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """`rank`'s replica (dp), stage (pp) and slice (tp)."""

@@ -1,4 +1,4 @@
-"""The local table of the planner's claims (nbdist.sharding.accuracy): each strategy planned, predicted, built and
+"""The local table of the plans' claims (nbdist.sharding.accuracy): each strategy planned, predicted, built and
 measured on a real cluster, the prediction's terms adding up to it, memory per rank beside its prediction."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_each_strategy_is_predicted_then_measured(cluster):
         assert row.dominant in row.terms
         assert row.error == pytest.approx(row.measured_median_s / row.predicted_s - 1)
         assert sorted(rank for rank, _, _ in row.memory) == [0, 1]
-        assert row.memory_error < 0.10, row.memory  # the planner's memory claim, on every rank
+        assert row.memory_error < 0.10, row.memory  # the plan's memory claim, on every rank
     assert rows[1].terms["pipeline bubbles and messages"] > 0 and rows[0].terms["pipeline bubbles and messages"] == 0
     text = accuracy.table(rows)
     assert text.splitlines()[0].split()[:3] == ["strategy", "predicted", "measured"]

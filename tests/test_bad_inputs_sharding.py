@@ -1,6 +1,6 @@
 """Bad input to nbdist.shard, to a sharded model or pipeline, and to checkpoints is one line (issue 22).
 
-Each case gives the planner, a built model's step, or a checkpoint something wrong and checks what a person sees:
+Each case gives nbdist.shard, a built model's step, or a checkpoint something wrong and checks what a person sees:
 ONE DistUsageError line naming the problem, no rank output (no rank traceback), nothing left on the ranks (no
 sharded model, pipeline or trainer more than before) and the cluster as usable as before. On the shared 2-engine
 `cluster` (tests/conftest.py); the checkpoints are real ones a Trainer wrote, then damaged.

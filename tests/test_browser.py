@@ -623,9 +623,9 @@ def _unreadable(plots: list[dict]) -> list[str]:
 
 @dataclass
 class ViewsRun:
-    """What the sharding planner (lab 33) and the Trainer's dashboard (lab 34) showed, move by move."""
+    """What the plan explorer (lab 33) and the Trainer's dashboard (lab 34) showed, move by move."""
 
-    planner: dict[str, dict] = field(default_factory=dict)  # move -> {plots, status, refusal, apply_disabled}
+    explorer: dict[str, dict] = field(default_factory=dict)  # move -> {plots, status, refusal, apply_disabled}
     dashboard: dict = field(default_factory=dict)
     console_errors: list[str] = field(default_factory=list)
 
@@ -657,7 +657,7 @@ VIEWS_CELLS = [
         history = tr.fit(steps=10)"""),
     "nbdist.stop()",
 ]
-PLANNER_STATUS_JS = """
+EXPLORER_STATUS_JS = """
 out => ({status: (out.querySelector('.jupyter-widgets .nbdist-plan-describe') || {}).textContent || '',
          refusal: (out.querySelector('.jupyter-widgets .nbdist-refusal') || {}).textContent || '',
          apply_disabled: Array.from(out.querySelectorAll('button')).filter(b => /Apply/.test(b.textContent))
@@ -679,41 +679,41 @@ def _pick(output, label: str, option: str) -> None:
         .locator("select").select_option(label=option)
 
 
-def _planner_seen(notebook: LabNotebook, output) -> dict:
+def _explorer_seen(notebook: LabNotebook, output) -> dict:
     wait_for(notebook.idle, 120)
     time.sleep(1.0)  # plotly's draw and the resize observer
-    return {**output.evaluate(PLANNER_STATUS_JS), "plots": output.evaluate(VIEW_FIT_JS)}
+    return {**output.evaluate(EXPLORER_STATUS_JS), "plots": output.evaluate(VIEW_FIT_JS)}
 
 
 @pytest.fixture(scope="module")
 def views(lab, browser) -> ViewsRun:
-    """The sharding planner shown, redrawn by a control, then the cluster stopped under it and a new tp chosen;
+    """The plan explorer shown, redrawn by a control, then the cluster stopped under it and a new tp chosen;
     a 10-step fit's dashboard between the two."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in VIEWS_CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "views_trial.ipynb")
     run = ViewsRun()
-    page = browser.new_page(viewport=(1280, 2000))  # tall: a cell's screenshot shows the whole planner
+    page = browser.new_page(viewport=(1280, 2000))  # tall: a cell's screenshot shows the whole explorer
     try:
         notebook = LabNotebook(lab, page, "views_trial.ipynb")
         notebook.run_cell(0, timeout=300)
-        planner = notebook.output(0)
-        wait_for(lambda: len(planner.evaluate(VIEW_FIT_JS)) == 3, 30)
-        run.planner["shown"] = _planner_seen(notebook, planner)
-        screenshot(notebook.cells.nth(0), "views-planner-1-shown")
-        _pick(planner, "schedule", "gpipe")
-        run.planner["schedule: gpipe"] = _planner_seen(notebook, planner)
-        screenshot(notebook.cells.nth(0), "views-planner-2-gpipe")
+        explorer = notebook.output(0)
+        wait_for(lambda: len(explorer.evaluate(VIEW_FIT_JS)) == 3, 30)
+        run.explorer["shown"] = _explorer_seen(notebook, explorer)
+        screenshot(notebook.cells.nth(0), "views-explorer-1-shown")
+        _pick(explorer, "schedule", "gpipe")
+        run.explorer["schedule: gpipe"] = _explorer_seen(notebook, explorer)
+        screenshot(notebook.cells.nth(0), "views-explorer-2-gpipe")
         notebook.run_cell(1, timeout=300)
         dashboard = notebook.output(1)
         time.sleep(1.5)
         run.dashboard = {**dashboard.evaluate(DASHBOARD_JS), "plots": dashboard.evaluate(VIEW_FIT_JS)}
         screenshot(notebook.cells.nth(1), "views-dashboard")
         notebook.run_cell(2, timeout=120)
-        _pick(planner, "dp", "2")  # refused: dp·pp·tp = 8 on 4 ranks
-        _pick(planner, "tp", "1")  # a new tp: its overheads need the (stopped) engines
-        run.planner["stopped, tp 1"] = _planner_seen(notebook, planner)
-        screenshot(notebook.cells.nth(0), "views-planner-3-stopped")
+        _pick(explorer, "dp", "2")  # refused: dp·pp·tp = 8 on 4 ranks
+        _pick(explorer, "tp", "1")  # a new tp: its overheads need the (stopped) engines
+        run.explorer["stopped, tp 1"] = _explorer_seen(notebook, explorer)
+        screenshot(notebook.cells.nth(0), "views-explorer-3-stopped")
     finally:
         lab.shutdown_kernels()  # the kernel, and its cluster if the trial broke before stopping it
         page.context.close()
@@ -722,22 +722,22 @@ def views(lab, browser) -> ViewsRun:
     return run
 
 
-def test_sharding_planner_figures_fit_and_read_at_every_redraw(views):
+def test_plan_explorer_figures_fit_and_read_at_every_redraw(views):
     for move in ("shown", "schedule: gpipe", "stopped, tp 1"):
-        seen = views.planner[move]
+        seen = views.explorer[move]
         assert len(seen["plots"]) >= 2, (move, seen)
         assert _unreadable(seen["plots"]) == [], (move, _unreadable(seen["plots"]))
-    redrawn = views.planner["schedule: gpipe"]
+    redrawn = views.explorer["schedule: gpipe"]
     assert "schedule=gpipe" in redrawn["status"] and len(redrawn["plots"]) == 3, redrawn["status"]
 
 
-def test_sharding_planner_says_the_cluster_stopped_and_disables_apply(views):
-    from nbdist.sharding.widget import STOPPED
+def test_plan_explorer_says_the_cluster_stopped_and_disables_apply(views):
+    from nbdist.sharding.explorer import STOPPED
 
-    seen = views.planner["stopped, tp 1"]
+    seen = views.explorer["stopped, tp 1"]
     assert seen["refusal"] == STOPPED and seen["apply_disabled"] is True, seen
     assert "dp=2 pp=2 tp=1" in seen["status"], seen["status"]  # the status line names the plan now chosen
-    assert views.planner["shown"]["apply_disabled"] is False
+    assert views.explorer["shown"]["apply_disabled"] is False
 
 
 def test_dashboard_reads_per_step_and_takes_no_space_for_its_static_copy(views):

@@ -231,7 +231,7 @@ def test_subpackages_are_reachable_from_the_package_without_importing_them_first
         "import nbdist\n"
         "print(round(nbdist.schedules.build('gpipe', 2, 2).simulate().bubble_fraction, 6))\n"
         "print(callable(nbdist.collectives.benchmark), callable(nbdist.collectives.trace), nbdist.Mesh.__name__)\n"
-        "print(nbdist.cluster.meshes.mesh.layout(4, dp=2, pp=2).groups('pp'))"
+        "print(nbdist.cluster.meshes.mesh.make_mesh(4, dp=2, pp=2).groups('pp'))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -13,7 +13,7 @@ import pytest
 from nbdist import planner
 from nbdist.errors import DistUsageError
 from nbdist.planner import memory, pipeline, published
-from nbdist.planner.layout import groups, shape
+from nbdist.planner.shapes import groups, shape
 from nbdist.planner.widget import ClusterPlannerView
 
 A100 = planner.hardware("a100-80gb")

@@ -19,8 +19,8 @@ from nbdist import planner
 from nbdist.collectives.costmodel import fit_alpha_beta
 from nbdist.cost.hardware import HDR_IB, Link
 from nbdist.planner import published
-from nbdist.planner.layout import place
 from nbdist.planner.pipeline import peak_held
+from nbdist.planner.shapes import place
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 LAB40, LAB41 = NOTEBOOKS / "40_clusters.ipynb", NOTEBOOKS / "41_many_hosts.ipynb"

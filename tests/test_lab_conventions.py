@@ -2,7 +2,7 @@
 
 - predict, then run, then explain: each lab asks for at least one prediction in a cell of its own, left unset
   (`name = ...  # your prediction: ...`), measures it in a later cell, and only then compares the two with
-  `nbdist.predict.compare("...", name, ...)`;
+  `nbdist.verdicts.compare("...", name, ...)`;
 - graded exercises in nbgrader's form: solution cells (unlocked, a BEGIN/END SOLUTION region) and locked test
   cells with 1-3 points and an `assert`, their grade ids starting with the lab's number;
 - nothing outside an exercise uses a name its solution defines: the student version runs with the solutions

@@ -27,7 +27,7 @@ PACKAGE = Path(nbdist.__file__).parent
 KERNEL_ONLY = ("nbdist.cluster.api", "nbdist.cluster.hosts.lifeline_server", "nbdist.cluster.waiting.remote", "nbdist.cluster.launching.launch",
                "nbdist.widgets", "nbdist.viz", "nbdist.magics", "nbdist.collectives.sweep",
                "nbdist.collectives.tracing", "nbdist.collectives.costmodel", "nbdist.sharding.plan",
-               "nbdist.sharding.sharded", "nbdist.sharding.widget", "nbdist.pipeline_parallel.api",
+               "nbdist.sharding.sharded", "nbdist.sharding.explorer", "nbdist.pipeline_parallel.api",
                "nbdist.pipeline_parallel.view", "nbdist.training.trainer", "nbdist.training.dashboard",
                "nbdist.training.checkpoints", "nbdist.planner")
 ENGINE_ONLY_LIBRARIES = ("torch.distributed", "torch.nn.parallel", "mpi4py")  # torch.nn.parallel: DDP

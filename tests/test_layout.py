@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.cluster.meshes.mesh import layout as mesh_layout
+from nbdist.cluster.meshes.mesh import make_mesh
 from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
-from nbdist.planner.layout import shape
 from nbdist.planner.model import gpt
+from nbdist.planner.shapes import shape
 
 
 def test_a_layout_from_keywords_a_dict_or_a_layout_is_the_same():
@@ -31,7 +31,7 @@ def test_bad_choices_are_refused_in_one_line(choices, line):
 
 def test_its_ranks_are_laid_out_as_a_mesh_of_the_same_dimensions():
     made = Layout(dp=2, pp=2, tp=2)
-    mesh = mesh_layout(8, pp=2, dp=2, tp=2)
+    mesh = make_mesh(8, pp=2, dp=2, tp=2)
     assert made.ranks == 8 and made.mesh() == mesh
     assert [made.coords(r) for r in range(8)] == [mesh.coords(r) for r in range(8)]
 
@@ -42,6 +42,17 @@ def test_the_planners_shape_gives_the_layout_that_shard_takes():
     assert s.layout == Layout(dp=s.dp, pp=4, tp=2, schedule="interleaved-1f1b", microbatches=s.microbatches,
                               chunks=2)
     assert s.layout.ranks == 64
+
+
+def test_shards_layout_keywords_are_the_layouts_fields_with_its_defaults():
+    import inspect
+    from dataclasses import fields
+
+    from nbdist.sharding.plan import LAYOUT_FIELDS, shard
+
+    keywords = inspect.signature(shard).parameters
+    assert LAYOUT_FIELDS == tuple(f.name for f in fields(Layout))
+    assert {f.name: f.default for f in fields(Layout)} == {name: keywords[name].default for name in LAYOUT_FIELDS}
 
 
 def test_shard_takes_a_layout_or_keywords_alike(cluster):

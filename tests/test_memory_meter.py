@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from test_predict import gpt, tokens
+from test_sharding_predictions import gpt, tokens
 from torch import nn
 
 from nbdist.runtime.ranks.memory import ActivationMeter, state_bytes

@@ -1,16 +1,16 @@
 """A mesh lays named dimensions over the ranks; on a real 4-engine cluster its torch groups and MPI communicators
-hold exactly the ranks the layout says, in coordinate order, and the engine registry holds each mesh once."""
+hold exactly the ranks the mesh says, in coordinate order, and the engine registry holds each mesh once."""
 import pytest
 
 import nbdist
-from nbdist.cluster.meshes.mesh import layout
+from nbdist.cluster.meshes.mesh import make_mesh
 from nbdist.errors import DistUsageError
 
-# -- the layout (plain data) ---------------------------------------------------------------------------------------
+# -- the mesh (plain data) -----------------------------------------------------------------------------------------
 
 
 def test_tp_is_innermost_and_pp_outermost_whatever_the_order_given():
-    m = layout(8, tp=2, dp=2, pp=2)
+    m = make_mesh(8, tp=2, dp=2, pp=2)
     assert m.names == ("pp", "dp", "tp")
     assert m.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one host
     assert m.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -19,11 +19,11 @@ def test_tp_is_innermost_and_pp_outermost_whatever_the_order_given():
 
 
 def test_other_names_sit_between_dp_and_tp_in_the_order_given():
-    assert layout(16, tp=2, cp=2, dp=2, ep=2).names == ("dp", "cp", "ep", "tp")
+    assert make_mesh(16, tp=2, cp=2, dp=2, ep=2).names == ("dp", "cp", "ep", "tp")
 
 
 def test_every_rank_has_one_coordinate_per_dimension_and_groups_partition_the_mesh():
-    m = layout(12, dp=3, pp=2, tp=2)
+    m = make_mesh(12, dp=3, pp=2, tp=2)
     for dim in m.names:
         groups = m.groups(dim)
         assert sorted(r for g in groups for r in g) == list(range(12))
@@ -34,7 +34,7 @@ def test_every_rank_has_one_coordinate_per_dimension_and_groups_partition_the_me
 
 
 def test_a_mesh_may_use_fewer_ranks_than_the_world():
-    m = layout(4, pp=2)
+    m = make_mesh(4, pp=2)
     assert m.size == 2 and m.coords(3) is None and m.group_of("pp", 3) == []
     assert "2 of the 4 ranks outside it" in str(m)
 
@@ -48,11 +48,11 @@ def test_a_mesh_may_use_fewer_ranks_than_the_world():
 ])
 def test_impossible_meshes_get_one_line(dims, message):
     with pytest.raises(DistUsageError, match=message):
-        layout(4, **dims)
+        make_mesh(4, **dims)
 
 
 def test_a_mesh_prints_as_a_table_and_draws_one_cell_per_rank():
-    m = layout(4, dp=2, pp=2)
+    m = make_mesh(4, dp=2, pp=2)
     lines = str(m).splitlines()
     assert lines[1].split() == ["rank", "pp", "dp"] and lines[3].split() == ["1", "0", "1"]
     fig = m.figure()
@@ -89,7 +89,7 @@ def _view(m):
     return out
 
 
-def test_groups_and_communicators_on_the_ranks_match_the_layout(cluster4):
+def test_groups_and_communicators_on_the_ranks_match_the_mesh(cluster4):
     m = nbdist.mesh(cluster4, dp=2, pp=2)
     for rank, seen in enumerate(cluster4.run(_view, m)):
         assert seen["coords"] == m.coords(rank)

@@ -11,7 +11,7 @@ import pytest
 from nbdist import planner
 from nbdist.errors import DistUsageError
 from nbdist.planner import memory, ops, published, step
-from nbdist.planner.layout import shape
+from nbdist.planner.shapes import shape
 
 LLAMA3_8B = planner.llama(32, 4096, 32, 8, 14336, name="Llama 3 8B")
 LLAMA3_70B = planner.llama(80, 8192, 64, 8, 28672, name="Llama 3 70B")

@@ -27,7 +27,7 @@ from nbdist.cluster.arguments import (
 )
 from nbdist.cluster.launching import launch, warm
 from nbdist.cluster.launching.ranks import boot
-from nbdist.cluster.meshes.mesh import Mesh, layout
+from nbdist.cluster.meshes.mesh import Mesh, make_mesh
 from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.cluster.options import ClusterOptions, run_timeout
 from nbdist.cluster.status import Status
@@ -299,7 +299,7 @@ class Cluster:
         """Lay `dims` (e.g. dp=2, pp=2) over the ranks and build, on every rank, one torch DeviceMesh and one MPI
         sub-communicator per dimension (nbdist/cluster/meshes/ranks/rank_mesh.py). Built once per shape and start: asking again
         returns the same mesh."""
-        planned = layout(self.world_size, **dims)
+        planned = make_mesh(self.world_size, **dims)
         name = "mesh:" + ",".join(f"{n}={s}" for n, s in planned.dims)
         if name not in self.meshes:  # building is collective over every rank
             built = Mesh(planned.dims, planned.world_size, name, self.generation, tuple(self.hosts))

@@ -18,7 +18,7 @@ from nbdist.errors import DistUsageError
 from nbdist.runtime.ranks import devices
 
 BACKENDS = devices.REQUESTS  # "auto": nccl on GPUs, gloo on CPU; "mpi": nbdist's MPI backend (CPU engines)
-ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine with torch and a process group holds ~260 MiB; keep headroom
+ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine (torch, a process group) holds less (figures: benchmarks/README.md)
 DEFAULT_CPU_ENGINES = 2
 HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
 MAX_SECONDS = 10**9  # about 31 years: the longest timeout taken (torch's timedelta overflows far above; inf never ends)

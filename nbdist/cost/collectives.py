@@ -128,7 +128,7 @@ def legend(algorithm: str, n: int) -> str:
 
 def all_reduce_seconds(size: float, n: int, alpha: float, beta: float, algorithm: str = "ring") -> float:
     """An n-rank all-reduce of `size` bytes when one message costs α + S·β: steps·α + critical-path bytes·β (0 on
-    one rank). The α-β model (collectives/costmodel.py) and the planner's links (planner/layout.py) price with it."""
+    one rank). The α-β model (collectives/costmodel.py) and the planner's links (planner/shapes.py) price with it."""
     if n == 1:
         return 0.0
     a, b = coefficients(algorithm, n)

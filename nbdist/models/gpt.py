@@ -22,7 +22,7 @@ from nbdist.models.mlp import seeded
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The sizes a planner reads from `model.config` (e.g. heads and hidden, to choose a tensor-parallel degree)."""
+    """The sizes a plan reads from `model.config` (e.g. heads and hidden, to choose a tensor-parallel degree)."""
 
     vocab: int
     seq: int

@@ -88,10 +88,10 @@ def work_timeline(reports: Mapping[int, Mapping], name: str = "", pipelines=(), 
     """The measured timeline of a step with the pauses between calls taken out.
 
     reports: rank -> {"spans": [(action, start, end, wait, call), ...], "calls": [start of call 0, call 1, ...]},
-    as the ranks report them (nbdist/engine/pipeline.advance): every call starts with a barrier of the ranks, and
-    "calls" holds when each rank left it. Call k is shifted left so that it starts where the work of the calls
-    before it ended; the time removed is kept in the timeline's `cuts`. Within a call nothing is moved, so the
-    idle time the schedule (or the tick lockstep) causes stays. A full-speed step is one call: nothing is cut.
+    as the ranks report them (nbdist/pipeline_parallel/ranks/pipeline.advance): every call starts with a barrier of
+    the ranks, and "calls" holds when each rank left it. Call k is shifted left so that it starts where the work of
+    the calls before it ended; the time removed is kept in the timeline's `cuts`. Within a call nothing is moved, so
+    the idle time the schedule (or the tick lockstep) causes stays. A full-speed step is one call: nothing is cut.
     """
     reports = on_one_clock(reports)
     origins: dict[int, float] = {}

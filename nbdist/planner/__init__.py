@@ -10,20 +10,20 @@
     planner.predict(planner.llama(126, 16384, 128, 8, 53248, seq=131072), planner.hardware("h100-sxm"),
                     gpus=16384, tp=8, pp=16, cp=16, global_batch=128, zero=1)   # context parallelism: cp
 
-Modules: profiles.py (hardware profiles as data), catalog.py (hardware(name)), model.py (parameters, FLOPs,
-activation bytes), layout.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU),
+Modules: catalog.py (hardware(name): the profiles of nbdist/cost/hardware.py), model.py (parameters, FLOPs,
+activation bytes), shapes.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU),
 pipeline.py (nbdist's schedule simulator for the bubble), step.py (every term of the step's time), prediction.py
 (predict, Prediction), frontier.py (search, the frontier), published.py (published runs the planner is checked
-against: Megatron-LM Table 1, Korthikanti et al. Tables 3 and 5, MT-NLG, Llama 3 Table 4), local.py ("local": this
-machine's CPU engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the
+against: Megatron-LM Table 1, Korthikanti et al. Tables 3 and 5, MT-NLG, Llama 3 Table 4), local.py ("local": the
+running cluster's engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the
 engines.
 """
 from nbdist.cost.hardware import PROFILES, Hardware, Link
 from nbdist.planner.catalog import hardware
 from nbdist.planner.frontier import SearchResult, search
-from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
+from nbdist.planner.shapes import Shape, shape
 
 __all__ = ["GPT", "PROFILES", "Hardware", "Link", "Prediction", "SearchResult", "Shape", "gpt", "hardware", "llama",
            "predict", "search", "shape"]

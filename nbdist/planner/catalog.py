@@ -1,4 +1,4 @@
-"""`hardware(name)`: a profile by name, the datasheet ones (profiles.py) or "local", measured (local.py)."""
+"""`hardware(name)`: a profile by name, the datasheet ones (nbdist/cost/hardware.py) or "local", measured (local.py)."""
 from __future__ import annotations
 
 from dataclasses import fields, replace
@@ -16,9 +16,9 @@ def hardware(name: str, cluster=None, **changes) -> Hardware:
     (e.g. gpus_per_host=4, matmul_efficiency=0.7).
 
     "local" is the running cluster's engines, CPU or GPU. Without `cluster`, the measurements stored in
-    planner/local.py (taken on this machine, the command is in its docstring). With a running `cluster`
+    planner/local.py (taken on 2 CPU cores with 2 engines; the command is in its docstring). With a running `cluster`
     (nbdist.start(n)), measured now on it, on each engine's device: a matmul probe on every engine at once and, with
-    two engines or more, the α-β fit of a 2-rank all-reduce (takes a few seconds).
+    two engines or more, the α-β fit of a 2-rank all-reduce.
     """
     one_of(name, NAMES, "hardware profile")
     if name == "local":

@@ -23,9 +23,9 @@ from nbdist.cost.hardware import Hardware
 from nbdist.errors import DistUsageError
 from nbdist.planner import memory as mem
 from nbdist.planner import step
-from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT, RECOMPUTE
 from nbdist.planner.prediction import Prediction, predict_shape
+from nbdist.planner.shapes import Shape, shape
 from nbdist.units import format_bytes
 
 

@@ -11,8 +11,8 @@ its predictions can be set beside a measured step. So:
   The probes run on each engine's own device (sharding/ranks/timing.py: CUDA events on a GPU), so on GPU engines
   the profile is the GPU's: fp32 and bf16 matmul FLOP/s, its memory bandwidth, and its memory (the device's total,
   not the host's RAM). With one engine there is no link to measure: the profile says so and prices none.
-- `hardware("local")` without a cluster returns STORED: the same measurements taken on this machine (2 CPU
-  cores, 2 engines) with `hardware("local", cluster=nbdist.start(2))`, kept so the planner can be shown without
+- `hardware("local")` without a cluster returns STORED: the same measurements taken once on a 2-core machine with
+  2 CPU engines with `hardware("local", cluster=nbdist.start(2))`, kept so the planner can be shown without
   starting engines. Another machine should measure its own.
 
 One "accelerator" is one engine; all engines are on one host (gpus_per_host = the cluster's size), so every
@@ -36,9 +36,8 @@ STREAM_ELEMENTS = 2**22  # the streaming probe: ReLU over 4 M floats (16 MiB)
 GPU_STREAM_ELEMENTS = 2**27  # on a GPU: 512 MiB, well past its caches
 ALLREDUCE_SIZES = tuple(4**k for k in range(6, 13))  # 4 KiB ... 16 MiB
 
-# hardware("local", cluster=nbdist.start(2)) on this machine (2 cores, 2 engines, MPICH shared memory) with other work
-# running beside it. The figures move with that load: measured twice more at a load average near 5 they were
-# 39 and 32 GFLOP/s, 2.1 and 1.7 GB/s streaming, 1.26 and 1.46 GB/s between engines.
+# hardware("local", cluster=nbdist.start(2)) on a 2-core machine (2 engines, MPICH shared memory) with other work
+# running beside it; the figures move with that load (figures: benchmarks/README.md).
 STORED = {"matmul_flops": 1.325e11, "stream_bandwidth": 6.65e9, "alpha": 6.19e-6, "bandwidth": 5.15e9, "engines": 2}
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from nbdist.cost import memory as cost_memory
 from nbdist.cost.hardware import HALF, Hardware
 from nbdist.cost.memory import state_bytes
-from nbdist.planner.layout import Shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import peak_held
+from nbdist.planner.shapes import Shape
 
 PARTS = ("weights", "gradients", "optimizer", "gathered layers", "activations", "logits", "reserved")
 

@@ -16,9 +16,9 @@ from nbdist.checks import one_of
 from nbdist.cost.hardware import Hardware
 from nbdist.planner import memory as mem
 from nbdist.planner import step
-from nbdist.planner.layout import Shape, shape
 from nbdist.planner.model import GPT
 from nbdist.planner.pipeline import PipelineRun
+from nbdist.planner.shapes import Shape, shape
 from nbdist.units import format_bytes, format_seconds
 
 TIME_TERMS = ("matmul", "element-wise", "recomputation", "tensor-parallel all-reduces",

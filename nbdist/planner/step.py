@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 from nbdist.cost import data_parallel
 from nbdist.cost.hardware import Hardware
 from nbdist.planner import memory, ops, pipeline
-from nbdist.planner.layout import Placement, Shape, groups, place
 from nbdist.planner.model import GPT
+from nbdist.planner.shapes import Placement, Shape, groups, place
 
 ADAM_BYTES_PER_PARAMETER = 28.0  # read the gradient (2-4), read+write master weight, momentum, variance (24), write the copy
 

@@ -369,8 +369,8 @@ def measured_durations(timelines: Timeline | Iterable[Timeline], stages: int, ch
     """simulate() arguments that describe measured steps: per stage and kind the MEDIAN compute time, and the
     median message latency.
 
-    Why the median: a measured step has cold outliers (the first backward on a fresh process can take 100x the
-    others: allocator, autograd warm-up); a mean lets one of them stretch a whole stage of the ideal. The median
+    Why the median: a measured step has cold outliers (the first backward on a fresh process can take many times
+    the others: allocator, autograd warm-up); a mean lets one of them stretch a whole stage of the ideal. The median
     over the micro-batches of a step, and over several steps when given several timelines (`Pipeline` passes its
     last few), is the warm duration. forward/backward/weight are lists with one entry per stage, following the
     duration convention (a chunk's time times `chunks`), so stages that really differ (the last one also computes

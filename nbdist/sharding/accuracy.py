@@ -1,5 +1,5 @@
 """Does a plan's prediction hold on this cluster? Each strategy planned, profiled, built and stepped, its predicted
-step and memory set beside what the built model measured: the local table of the planner's claims (strategy,
+step and memory set beside what the built model measured: the local table of the plans' claims (strategy,
 predicted, measured, error, the term that dominates), for a notebook and for benchmarks/bench_shard_predict.py
 alike.
 

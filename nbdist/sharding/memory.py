@@ -13,7 +13,7 @@ from nbdist.cost.memory import OPTIMIZER_STATES, check_zero, sharded, zero1_owne
 from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
 from nbdist.sharding.profile import LayerProfile, ParamShape, held_tensors
-from nbdist.sharding.shape import layout, micro_batch_size
+from nbdist.sharding.shape import micro_batch_size, schedule_and_ranges
 from nbdist.units import format_bytes
 
 
@@ -56,7 +56,7 @@ def predict_memory(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp: int,
     check_zero(zero)
     if optimizer not in OPTIMIZER_STATES:
         raise DistUsageError(f"unknown optimizer {optimizer!r}: choose {', '.join(OPTIMIZER_STATES)}")
-    schedule, ranges = layout(layers, pp, boundaries, microbatches, schedule)
+    schedule, ranges = schedule_and_ranges(layers, pp, boundaries, microbatches, schedule)
     size = micro_batch_size(batch, dp, microbatches)
     peaks = {0: 1} if pp == 1 else schedule.simulate().peak_activations
     return [

@@ -17,7 +17,7 @@ nbdist's pipeline on the mesh, its stages split over tp and averaged over dp.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Callable
 
 from torch import nn
@@ -38,6 +38,7 @@ from nbdist.wire import portable
 _measured_links: dict[tuple, object] = {}  # (cluster, its start, mesh, dimension) -> AlphaBeta, measured once
 LINK_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # bytes of the all-reduces profile() fits each group's α-β to
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "naive")  # nbdist's synchronous schedules
+LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))  # shard()'s keywords that make its Layout, as Layout names them
 
 
 def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1, tp: int = 1, zero: int = 0,
@@ -59,31 +60,30 @@ def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1
     "auto" (the plan the model's Hugging Face config carries); nbdist's own models pair their Linears themselves.
     `sync_batchnorm`: BatchNorm statistics over every replica's share (nbdist's SyncBatchNorm, CPU or GPU), so dp
     trains as one process."""
-    if isinstance(dp, Layout):
-        given = dict(pp=pp, tp=tp, zero=zero, microbatches=microbatches, schedule=schedule, chunks=chunks,
-                     balance=balance)
-        defaults = dict(pp=1, tp=1, zero=0, microbatches=1, schedule="1f1b", chunks=1, balance=None)
-        if given != defaults:
-            raise DistUsageError("give the layout's choices in one place: a Layout, or keywords, not both")
-        layout = dp
-        dp, pp, tp, zero = layout.dp, layout.pp, layout.tp, layout.zero
-        microbatches, schedule, chunks, balance = layout.microbatches, layout.schedule, layout.chunks, layout.balance
+    layout = _layout_of({name: value for name, value in locals().items() if name in LAYOUT_FIELDS})
     model = ModelChoices(split_points, example_input, tp_plan, bool(sync_batchnorm))
-    return Plan(model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
-                bucket_cap_mb, cluster or current(), model)
+    return Plan(model_fn, layout, batch, optimizer, hook, bucket_cap_mb, cluster or current(), model)
+
+
+def _layout_of(given: dict) -> Layout:
+    """The Layout of shard()'s layout keywords (`given`, named as Layout's fields): a Layout passed as `dp`, the
+    other keywords left at Layout's defaults, or one made of the keywords."""
+    if not isinstance(given["dp"], Layout):
+        return Layout(**given)
+    if any(given[f.name] != f.default for f in fields(Layout) if f.name != "dp"):
+        raise DistUsageError("give the layout's choices in one place: a Layout, or keywords, not both")
+    return given["dp"]
 
 
 class Plan:
     """A checked plan: its shape, the model's profile, and predictions per rank."""
 
-    def __init__(self, model_fn, dp, pp, tp, zero, microbatches, schedule, chunks, batch, balance, optimizer, hook,
-                 bucket_cap_mb, cluster: Cluster, choices: ModelChoices | None = None):
-        for label, value in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", microbatches)):
-            whole_number(value, label)
+    def __init__(self, model_fn, layout: Layout, batch, optimizer, hook, bucket_cap_mb, cluster: Cluster,
+                 choices: ModelChoices | None = None):
         if not callable(model_fn):
             raise DistUsageError(f"model_fn must be a function that builds the model, got {type(model_fn).__name__}")
-        self.cluster, self.model_fn = cluster, model_fn
-        self.layout = Layout(dp, pp, tp, zero, schedule, microbatches, chunks, balance)
+        self.cluster, self.model_fn, self.layout = cluster, model_fn, layout
+        dp, pp, tp, microbatches = layout.dp, layout.pp, layout.tp, layout.microbatches
         self.optimizer_kind, self.hook, self.bucket_cap_mb = _checked_ddp_choices(optimizer, hook, bucket_cap_mb)
         if batch is not None:
             whole_number(batch, "batch")
@@ -91,7 +91,7 @@ class Plan:
             gpus = " (one GPU each)" if all(d.startswith("cuda") for d in cluster.devices) else ""
             raise DistUsageError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp}, but the cluster has "
                                  f"{cluster.world_size} ranks{gpus}: the product must be the world size")
-        self.schedule = self._schedule(schedule)
+        self.schedule = self._schedule(layout.schedule)
         self._refuse_unsupported()
         self.batch = batch or 8 * dp * microbatches
         read = self.reading = ModelReading(model_fn, self.layout, self.batch, choices or ModelChoices())
@@ -167,7 +167,7 @@ class Plan:
             if n == 1:
                 continue
             key = (id(self.cluster), self.cluster.generation, mesh.name, dim)
-            if key in _measured_links:  # the planner's controls make new plans of the same shapes again and again
+            if key in _measured_links:  # the plan explorer's controls make new plans of the same shapes again and again
                 links[dim] = _measured_links[key]
                 continue
             times = self.cluster.run(timing.group_all_reduce_seconds, mesh.name, dim, list(LINK_SIZES))
@@ -233,7 +233,8 @@ class Plan:
     def predicted_step(self, alpha_beta=None) -> StepTime:
         """The step's time, every term visible (compute per stage, tensor-, data- and pipeline-parallel
         communication, the simulated schedule); profile() first. `alpha_beta`: a fit of this cluster's
-        all-reduce (nbdist.collectives.fit_alpha_beta), else the default measured on this kind of machine."""
+        all-reduce (nbdist.collectives.fit_alpha_beta); without it, the links profile() measured, and for what they
+        do not price the default (step_time.default_alpha_beta)."""
         if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
@@ -307,19 +308,19 @@ class Plan:
         return "\n".join(self.table())
 
     def widget(self):
-        """The planner (JupyterLab): this plan's controls, the model's layers, per-rank predicted memory and step
-        time redrawn as a control moves, and an Apply button (nbdist/sharding/widget.py)."""
-        from nbdist.sharding.widget import PlannerView
+        """The plan explorer (JupyterLab): this plan's controls, the model's layers, per-rank predicted memory and
+        step time redrawn as a control moves, and an Apply button (nbdist/sharding/explorer.py)."""
+        from nbdist.sharding.explorer import PlanExplorer
 
-        return PlannerView(self)
+        return PlanExplorer(self)
 
     def changed(self, **settings) -> "Plan":
         """A new plan of the same model with some settings changed (dp, pp, tp, zero, microbatches, schedule, chunks,
-        batch, balance, optimizer): what the planner calls as its controls move. The model's profile (and layer
+        batch, balance, optimizer): what the plan explorer calls as its controls move. The model's profile (and layer
         times, once measured) are reused where the tensor-parallel degree is the same."""
-        current = dict(dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero, microbatches=self.microbatches,
-                       schedule=self.schedule if isinstance(self.schedule, str) else self.schedule.name,
-                       chunks=self.chunks, batch=self.batch, balance=self.balance, optimizer=self.optimizer_kind)
+        current = {**{name: getattr(self.layout, name) for name in LAYOUT_FIELDS},
+                   "schedule": self.schedule if isinstance(self.schedule, str) else self.schedule.name,
+                   "batch": self.batch, "optimizer": self.optimizer_kind}
         unknown = sorted(set(settings) - set(current))
         if unknown:
             raise DistUsageError(f"unknown plan setting(s) {', '.join(unknown)}: choose from {', '.join(current)}")

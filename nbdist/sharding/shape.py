@@ -1,6 +1,6 @@
 """The shapes a sharding plan may take on a model, refused in one line before anything runs: dp, pp, tp, the ZeRO
 stage, micro-batches and stage boundaries against the model's layers, heads and features (`check_shape`, which
-the plan calls first), and the schedule and layer ranges a prediction reads (`layout`).
+the plan calls first), and the schedule and stages' layer ranges a prediction reads (`schedule_and_ranges`).
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def _checked_ranges(boundaries: Sequence[tuple[int, int]], layers: int, stages: 
     return ranges
 
 
-def layout(layers: Sequence[LayerProfile], pp: int, boundaries, microbatches: int,
-            schedule: str | Schedule) -> tuple[Schedule, list[tuple[int, int]]]:
+def schedule_and_ranges(layers: Sequence[LayerProfile], pp: int, boundaries, microbatches: int,
+                        schedule: str | Schedule) -> tuple[Schedule, list[tuple[int, int]]]:
     """The schedule (built, or checked against pp and microbatches) and each stage's layer range (given, or
     balanced by parameters as nbdist.pipeline balances them)."""
     if isinstance(schedule, Schedule):

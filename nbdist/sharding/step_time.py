@@ -16,7 +16,7 @@ from nbdist.errors import DistUsageError
 from nbdist.schedules.schedule import Schedule
 from nbdist.schedules.simulate import Span, Timeline
 from nbdist.sharding.profile import LayerProfile, held_tensors
-from nbdist.sharding.shape import layout, micro_batch_size
+from nbdist.sharding.shape import micro_batch_size, schedule_and_ranges
 
 if TYPE_CHECKING:
     from nbdist.collectives.costmodel import AlphaBeta
@@ -24,14 +24,13 @@ if TYPE_CHECKING:
 
 
 def default_alpha_beta() -> "AlphaBeta":
-    """One message costs 10.3 us + S x 4.26e-10 s (2.35 GB/s): a 2-rank all-reduce measured on this machine.
+    """The default price of one message, 10.3 us + S x 4.26e-10 s (2.35 GB/s): a 2-rank all-reduce on 2 CPU
+    engines (MPICH shared memory), fitted with `nbdist.collectives.benchmark(ops="all_reduce", via="torch")` and
+    fit_alpha_beta (how, and the fit: benchmarks/README.md).
 
-    Measured with `nbdist.collectives.benchmark(ops="all_reduce", via="torch", sizes=2**10..2**24 by 4x)` on
-    `nbdist.Cluster(ClusterOptions(n=2, backend="mpi"))` (2 CPU cores, MPICH shared memory) and fit_alpha_beta:
-    the whole all-reduce took alpha 20.6 us, beta 4.26e-10 s/byte (load average 1; a second run at load 3.4:
-    28.6 us, 4.29e-10). The ring model charges a 2-rank all-reduce 2 alpha + S beta, hence 10.3 us per message. A
-    plain message is cheaper per byte (a 2-rank broadcast fitted 6-14 us, 5-9 GB/s: no additions), so pipeline
-    messages are priced high. The plan passes a fit measured on its own cluster instead.
+    The ring model charges a 2-rank all-reduce 2 alpha + S beta, hence half the fitted alpha per message. A plain
+    message is cheaper per byte than an all-reduce's (no additions), so pipeline messages are priced high. The plan
+    passes a fit measured on its own cluster instead.
     """
     from nbdist.collectives.costmodel import AlphaBeta
 
@@ -141,7 +140,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     check_zero(zero)
     ab = alpha_beta or default_alpha_beta()
     extra = overheads or Overheads()
-    schedule, ranges = layout(layers, pp, boundaries, microbatches, schedule)
+    schedule, ranges = schedule_and_ranges(layers, pp, boundaries, microbatches, schedule)
     size = micro_batch_size(batch, dp, microbatches)
     stages = [list(layers[a:b]) for a, b in ranges]
     if any(layer.forward_s is None or layer.backward_s is None for layer in layers):

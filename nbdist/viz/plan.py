@@ -1,6 +1,6 @@
 """A sharding plan as pictures: each rank's predicted memory, where each rank sits, and the model's layers.
 
-Drawn from plain data only (the rows `Plan.ranks()` gives, a Mesh, dicts of numbers), so the planner widget, a
+Drawn from plain data only (the rows `Plan.ranks()` gives, a Mesh, dicts of numbers), so the plan explorer, a
 static copy in an exported notebook and a test all draw the same thing from the same numbers. The numbers are
 never computed here: they come from nbdist/sharding/memory.py and step_time.py through the plan.
 

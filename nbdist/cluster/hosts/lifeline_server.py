@@ -17,8 +17,8 @@ The same line carries the controller's connection info to engines on other hosts
 they cannot read it from the kernel's files, and nothing of the cluster is written on their hosts.
 
 Connections that do not say the cluster's token within a few seconds are closed: a port scanner or a stray client
-is never taken for a lifeline. At most MAX_PENDING connections wait to say it: a flood of them (900 were seen to hold
-850 of the kernel's files open) makes the server drop the oldest waiting one for each new one, so the kernel's open
+is never taken for a lifeline. At most MAX_PENDING connections wait to say it: a flood of them (each holds one of
+the kernel's files open) makes the server drop the oldest waiting one for each new one, so the kernel's open
 files stay bounded and an engine, which says its token as soon as it connects, still gets through. Sockets made in
 Python are not inherited by child processes (PEP 446), so mpiexec and the controller never hold the kernel's end
 open after the kernel has died.
@@ -126,7 +126,7 @@ class LifelineServer:
 
     def lost(self) -> set[tuple[str, int]]:
         """(host, pid) of every process whose lifeline ended while the cluster ran: it exited, or its host died or
-        became unreachable (TCP keepalive notices that within about 25 s)."""
+        became unreachable (TCP keepalive notices that within 10 + 3 × 5 = 25 s: lifeline.py's settings)."""
         with self._lock:
             return set(self._lost)
 

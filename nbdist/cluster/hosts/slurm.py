@@ -154,11 +154,10 @@ _NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)", re.M)
 def failed_nodes(output: str) -> list[str]:
     """The nodes srun says failed, in the engines' mpiexec output (Hydra starts its proxies with srun): Slurm took
     them out of the allocation (the node DOWN: slurmd stopped answering, or the node died) and ends the job on every
-    node. How it goes, measured on the test Slurm (tests/slurm_hosts.py) with slurmd SIGKILLed on one node: the
-    engines there run on (slurmstepd outlives slurmd) until slurmctld sets the node DOWN, SlurmdTimeout plus its
-    ping rounds later (25 to 30 s with SlurmdTimeout=10, no sooner with 5, 45 s with 30); then srun writes this
-    line, the engines on the other nodes get SIGTERM from their slurmstepd, and the rest end about 5 s later with
-    srun and mpiexec."""
+    node. How it goes on the test Slurm (tests/slurm_hosts.py) with slurmd SIGKILLed on one node: the engines
+    there run on (slurmstepd outlives slurmd) until slurmctld sets the node DOWN, SlurmdTimeout plus its ping
+    rounds later; then srun writes this line, the engines on the other nodes get SIGTERM from their slurmstepd, and
+    the rest end soon after with srun and mpiexec (figures: benchmarks/README.md)."""
     nodes: list[str] = []
     for found in _NODE_FAILURE.finditer(output):
         nodes += hostnames(found.group(1)) if "[" in found.group(1) else [found.group(1)]

@@ -143,9 +143,9 @@ class Mesh:
         return mesh_figure(self, title=title)
 
 
-def layout(world_size: int, **dims: int) -> Mesh:
-    """The mesh `dims` (name=size) over the first ranks of a `world_size`-rank world, in the documented order.
-    Impossible meshes are refused in one line."""
+def make_mesh(world_size: int, **dims: int) -> Mesh:
+    """The Mesh of `dims` (name=size) over the first ranks of a `world_size`-rank world, in the documented order
+    (plain data: nothing is built on the ranks). Impossible meshes are refused in one line."""
     if not dims:
         raise DistUsageError("a mesh needs at least one dimension, e.g. nbdist.mesh(dp=2, pp=2)")
     for name, size in dims.items():
@@ -158,3 +158,4 @@ def layout(world_size: int, **dims: int) -> Mesh:
         shape = " × ".join(f"{name}={size}" for name, size in mesh.dims)
         raise DistUsageError(f"mesh {shape} needs {mesh.size} ranks but the cluster has {world_size}")
     return mesh
+

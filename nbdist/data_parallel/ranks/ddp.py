@@ -1,9 +1,9 @@
 """Data parallelism (runs ON the engines): `ddp(model)` is DistributedDataParallel with nbdist's communication hook.
 
 Why MPI on CPU: DDP all-reduces gradient buckets (1-25 MB) through its process group, which on CPU engines is
-gloo over TCP loopback. nbdist's engines are also an MPI world, and MPICH all-reduces through shared memory:
-about 5x faster for a 4 MiB bucket on 2 engines (0.64 ms against 3.1 ms). So on CPU, hook="auto" all-reduces
-through MPI (see nbdist.data_parallel.ranks.hooks.register_hook for the measured training speed-up); on GPUs DDP's own
+gloo over TCP loopback. nbdist's engines are also an MPI world, and MPICH all-reduces through shared memory,
+several times faster for a bucket of a few MiB (figures: benchmarks/README.md). So on CPU, hook="auto" all-reduces
+through MPI (see nbdist.data_parallel.ranks.hooks.register_hook for why); on GPUs DDP's own
 all-reduce stays (hook "torch": torch.distributed's all-reduce, nccl for CUDA gradients). The hook's state
 (bytes sent per step, ...) is kept as `model.comm_hook_state`.
 
@@ -37,7 +37,7 @@ def ddp(model: nn.Module, hook: str = "auto", **options: Any) -> DistributedData
 
     One DDP default differs: gradient_as_bucket_view=True (pass False to undo). The gradients then live in DDP's
     buckets instead of being copied in before and out after the all-reduce: on CPU those copies are a visible part
-    of a step (MLPs of 1 M and 10 M parameters on 2 engines: 5-10 % faster steps with the MPI hook).
+    of a step (figures: benchmarks/README.md).
     """
     own = _ddp_parameters()
     ddp_options = {"gradient_as_bucket_view": True, **{k: v for k, v in options.items() if k in own}}

@@ -2,7 +2,8 @@
 
 DDP hands each bucket of gradients (one flat tensor) to a hook, which must return a future of the bucket's
 averaged gradient. nbdist's engines already form an MPI world, and MPICH's shared-memory all-reduce beats gloo's
-TCP loopback by 2-5x for the bucket sizes DDP uses (1-25 MB), so on CPU the hook can skip gloo entirely:
+TCP loopback for the bucket sizes DDP uses (1-25 MB; figures: benchmarks/README.md), so on CPU the hook can skip
+gloo entirely:
 `mpi_allreduce_hook` sums the bucket's own memory in place (a numpy view, `MPI.IN_PLACE`, no copy).
 
 Any process group works, not only the whole world: DDP over a mesh's dp dimension averages within each replica
@@ -22,8 +23,8 @@ rank), while the payload is what compression changes.
 
 The MPI calls block. Unlike the pipeline's point-to-point messages (which poll, so that an interrupt can stop a
 rank and cancel them), a collective cannot be cancelled: a rank interrupted inside one would leave it half-done and
-its next collective would pair with it. Blocking is also the fastest (polling with pauses doubled the latency of
-a 1-4 MiB all-reduce on 2 busy cores); a rank stuck here is freed the way one stuck in gloo is: nbdist restarts
+its next collective would pair with it. Blocking is also the fastest (polling with pauses added to the latency of
+MiB-sized all-reduces on busy cores); a rank stuck here is freed the way one stuck in gloo is: nbdist restarts
 the engines.
 
 No `from __future__ import annotations` here: DDP inspects a hook's annotations and wants the real objects.
@@ -132,8 +133,8 @@ def mpi_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
     Divides before summing, as DDP's own all-reduce does (with 2 ranks the result is then bit-identical to gloo's;
     with more, only the order of the sum differs). `state` may be None (nothing recorded) or a HookState.
     The all-reduce is finished when the hook returns, so DDP overlaps nothing with it. gloo's runs in the background
-    while the backward pass goes on, but on CPU engines both compete for the same core: measured, a step with gloo
-    costs its all-reduces in full anyway, and MPI's are 2-4x shorter (see register_hook for the figures).
+    while the backward pass goes on, but on CPU engines both compete for the same core: a step with gloo costs its
+    all-reduces in full anyway, and MPI's are shorter (see register_hook; figures: benchmarks/README.md).
     """
     buffer = bucket.buffer()
     _check_cpu(buffer, "the MPI all-reduce hook")
@@ -397,23 +398,15 @@ def register_hook(ddp_model: DistributedDataParallel, name: str = "auto", **opti
     plain all-reduce before it) and "auto".
 
     "auto" = "torch" on the mpi4py backend (CPU engines' default: DDP's own all-reduce then goes through MPI, and
-    benchmarks/bench_mpi_backend_training.py measured it at 1.02x the MPI hook's samples/s, so the hook is not
-    measurably faster there); "mpi" on CPU over a gloo process group when MPI's world is torch's (always so on
-    nbdist's engines; the MPI hooks talk on a communicator of the group's ranks); else "torch".
-    Why "auto" is MPI on CPU over gloo, measured with benchmarks/bench_dp_hook.py (2 CPU engines on a 2-core machine,
-    MLPs of L x Linear(w, w), DDP's defaults, SGD, global batch 64, sides interleaved, median of 11 repetitions, two
-    runs):
-
-        model                      MPI hook (samples/s)   DDP default, gloo (samples/s)   ratio
-        512x4   (1.05 M params)    8700-9600              5600-5700                       1.55-1.69
-        1024x10 (10.5 M params)    920-980                705-720                         1.28-1.39
-
-    The MPI hook blocks the backward pass while it all-reduces, and gloo's all-reduce runs in the background, yet
-    on CPU engines that overlap buys nothing (compute and transfer share the core: a gloo step costs its
-    all-reduces in full) while MPI's all-reduce is 2-3.5x shorter per bucket (1 MiB 0.5-0.9 ms against 1.8-2.7;
-    4 MiB 1.2-1.3 against 3.2-4.1; 28 MiB 9-11 against 19-20). Caveat, also measured: when other jobs load the
+    benchmarks/bench_mpi_backend_training.py finds the MPI hook no faster there); "mpi" on CPU over a gloo process
+    group when MPI's world is torch's (always so on nbdist's engines; the MPI hooks talk on a communicator of the
+    group's ranks); else "torch".
+    Why "auto" is MPI on CPU over gloo (benchmarks/bench_dp_hook.py; figures: benchmarks/README.md): the MPI hook
+    blocks the backward pass while it all-reduces, and gloo's all-reduce runs in the background, yet on CPU engines
+    that overlap buys nothing (compute and transfer share the core: a gloo step costs its all-reduces in full)
+    while MPI's all-reduce is shorter per bucket, so the MPI hook trains faster. Caveat: when other jobs load the
     cores beyond one process per core, MPI's shared-memory transfers (which need both ranks running at once)
-    degrade more than gloo's sockets, and the 1 M model fell to 0.3-0.7x of gloo in such runs.
+    degrade more than gloo's sockets, and the MPI hook can then fall behind gloo.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise DistUsageError(f"register_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")

@@ -11,13 +11,12 @@ hang's "waited 8 s" and the order of calls need; when a call ended is never aske
 call, no formatting (names, bytes and text are made only when someone reads the ring).
 
 Runs: the backend's hot path (a waited-for all_reduce SUM, most calls of a training loop) writes one entry for a run
-of such calls on one group with one size, not one per call. At 1 KiB such a call takes ~15 us here and every Python
-operation added to it shows (benchmarks/bench_flight_recorder.py, 2 ranks: a tuple and a clock read per call cost
-5 %, a run's one comparison per call 0.6 %). A run's entry is its first call (start, size, dtype); its last is
-its group's count of calls when the next entry is written, or when the ring is read while the run goes on. A call
-that does not complete within the hot path's spin marks the run in flight, since when (`waiting`), and done once
-it completes, so a hang shows the very call it waits in, and how long; a call that fails leaves the run for an
-entry of its own.
+of such calls on one group with one size, not one per call. A small call is short enough that every Python
+operation added to it shows (benchmarks/bench_flight_recorder.py; figures: benchmarks/README.md). A run's entry is
+its first call (start, size, dtype); its last is its group's count of calls when the next entry is written, or when
+the ring is read while the run goes on. A call that does not complete within the hot path's spin marks the run in
+flight, since when (`waiting`), and done once it completes, so a hang shows the very call it waits in, and how
+long; a call that fails leaves the run for an entry of its own.
 
 Recorded: nbdist's MPI backend for torch.distributed (every collective and point-to-point call), the pipeline's MPI
 transport (waits on sends and receives), and what the pipeline executor runs (`doing`: tick and action). torch's own

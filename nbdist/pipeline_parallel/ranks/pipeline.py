@@ -264,9 +264,10 @@ def _dp_average(mesh, replicas: int, transport: str):
 
 
 def _warm_up() -> None:
-    """The first backward given an output gradient makes torch import sympy (0.5-1 s, once per process): pay
-    that here, not inside the first measured backward, where it would look like a 100x slower stage. A tiny graph
-    of our own: the user's modules (and their buffers or random state) are not touched."""
+    """The first backward given an output gradient makes torch import sympy (once per process, and slow): pay
+    that here, not inside the first measured backward, where it would look like a far slower stage (figures:
+    benchmarks/README.md). A tiny graph of our own: the user's modules (and their buffers or random state) are not
+    touched."""
     x = torch.ones(2, requires_grad=True)
     y = x * 2
     torch.autograd.backward(y, torch.ones_like(y))
@@ -275,10 +276,10 @@ def _warm_up() -> None:
 def _wake(seconds: float) -> None:
     """Keep this core busy for `seconds` before a stepping call's barrier.
 
-    Between two clicks a rank sleeps for seconds; the first actions after such a pause ran 2-5x slower than the
-    same actions a millisecond later (the core and the process wake up), which a person stepping through the
-    schedule would read as bubble. Measured on 2 CPU engines, 2-stage 1F1B of 64-wide layers, 3 s between
-    clicks: the stepped bubble was 11 points above full speed without this, 3-6 with it. It costs 5 ms a click."""
+    Between two clicks a rank sleeps for seconds; the first actions after such a pause run slower than the same
+    actions moments later (the core and the process wake up), which a person stepping through the schedule would
+    read as bubble. Keeping the core busy first brings the stepped bubble close to the full-speed one, for a few
+    milliseconds a click (figures: benchmarks/README.md)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass

@@ -3,9 +3,10 @@
 Two transports, where `peer` is a rank of the pipeline (its coordinate along the mesh's pp dimension), not a rank of
 the world: with data parallelism several pipelines run side by side, each on its own ranks.
 - MPI (mpi4py) for CPU tensors, over the mesh's pp communicator: `isend(tensor, peer, tag)` / `irecv(...)`, each a
-  handle with `.wait()`. The engines already form an MPI world, and MPICH's shared memory moves a 4 KiB activation in
-  about half the time gloo needs over TCP loopback. The tensor's own memory is sent (no copy). Tags keep messages
-  apart (`message_tag`), so receives can be posted early, in any order, and an abandoned step's are cancelled.
+  handle with `.wait()`. The engines already form an MPI world, and MPICH's shared memory moves a small activation
+  faster than gloo over TCP loopback (figures: benchmarks/README.md). The tensor's own memory is sent (no copy).
+  Tags keep messages apart (`message_tag`), so receives can be posted early, in any order, and an abandoned step's
+  are cancelled.
 - torch.distributed for GPU tensors (nccl) or when asked (gloo): `post(ops)` posts one round's sends and receives
   together, as one NCCL group (batch_isend_irecv), on the pipeline's one group (pipeline_parallel/ranks/pairs.py),
   and returns one handle for them all: NCCL completes a group as a whole, so waiting for a receive waits for its
@@ -76,8 +77,9 @@ class _MpiRequest:
     def wait(self) -> None:
         """Poll rather than block in MPI_Wait, so that an interrupt (a failed peer, the kernel's stop button)
         stops this rank between polls instead of leaving it stuck: the mpi4py backend's poll loop (spin, then yield
-        the core, then nap; backend/ranks/waiting.py). An earlier loop here slept 100 us after 200 tests: a 64 KiB
-        message (MPICH's rendezvous, which needs both sides polling) then took 103 us one time in two instead of 14."""
+        the core, then nap; backend/ranks/waiting.py). An earlier loop here slept after a fixed number of tests: a
+        64 KiB message (MPICH's rendezvous, which needs both sides polling) then took several times as long one time
+        in two (figures: benchmarks/README.md)."""
         group, call, peer = self.what
         slot = recorder.begin(group, None, call, peer, self.tensor.numel(), self.tensor.dtype)  # the wait, recorded
         try:

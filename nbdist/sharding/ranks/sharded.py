@@ -161,7 +161,7 @@ def close(name: str) -> None:
 
 
 def _memory():
-    """nbdist.runtime.ranks.memory, imported when a step first measures memory. It imports DTensor and FSDP2 (~0.5 s),
+    """nbdist.runtime.ranks.memory, imported when a step first measures memory. It imports DTensor and FSDP2 (slow),
     which the notebook's kernel, importing this module only to send its functions, never needs."""
     from nbdist.runtime.ranks import memory
 

@@ -276,9 +276,8 @@ def _layer_and_input(model_fn: bytes, size: int, weight) -> tuple[nn.Sequential,
 
 def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
     """The median seconds of one optimizer step over `params` (gradients of ones). On DTensor parameters (FSDP2,
-    tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that costs about 0.1 ms
-    per tensor, more than the arithmetic of a small model (measured on a 4-block GPT: Adam 5 ms on plain tensors,
-    10-20 ms on FSDP2 shards of half the elements)."""
+    tensor parallel) every tensor's update goes through DTensor's dispatch: on CPU engines that costs more per
+    tensor than the arithmetic of a small model (figures: benchmarks/README.md)."""
     make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
             "sgd-momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}[kind]
     for p in params:
@@ -295,8 +294,8 @@ def _optimizer_step_seconds(params: list, kind: str, repeats: int) -> float:
 def _optimizer_costs(kind: str, shapes: list[tuple[int, ...]] | None, repeats: int = 5,
                      tensors: int = 64) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per element) of the optimizer's step. Per tensor from `tensors`
-    tiny tensors (torch's optimizers loop over parameters on CPU: tens of µs each, as much as the arithmetic of a
-    small model's 70 tensors); per element from a step over tensors of `shapes` (a model's, zeros here), less its
+    tiny tensors (torch's optimizers loop over parameters on CPU: for a small model the loop costs as much as the
+    arithmetic); per element from a step over tensors of `shapes` (a model's, zeros here), less its
     tensors' share. Without shapes, one tensor of 1 Mi elements (larger than the caches: an upper figure)."""
     here = placement.here()
     tiny = _optimizer_step_seconds([nn.Parameter(torch.zeros(16, device=here)) for _ in range(tensors)], kind,
