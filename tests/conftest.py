@@ -25,6 +25,9 @@ Markers (registered in pyproject.toml), set by pytest_collection_modifyitems fro
              everywhere, so the file name alone does not say gpu)
   multihost  the path of a kernel on another host: tests/test_lifeline_hosts.py (processes told that their kernel
              is elsewhere, all on this machine; no test needs a second real host)
+  slow       starts none of the above but needs more than a second on 2 cores (a search over thousands of plans, a
+             model trained to a bar, a subprocess that imports torch): marked explicitly; it runs with the whole suite,
+             so that the inner loop stays under a minute
   fast       none of the above: `bash scripts/test.sh fast`. A test marked fast that starts MPI engines anyway
              fails, with its name, so the markers cannot silently go wrong (_EngineWatch).
 """
@@ -49,7 +52,7 @@ import nbdist
 from nbdist.cluster.options import ClusterOptions
 
 TESTS = Path(__file__).resolve().parent
-NEEDS = ("cluster", "browser", "notebook", "gpu", "multihost")  # what `fast` is the absence of
+NEEDS = ("cluster", "browser", "notebook", "gpu", "multihost", "slow")  # what `fast` is the absence of
 MODULE_NEEDS = {"test_browser.py": "browser", "test_notebooks.py": "notebook", "test_lifeline_hosts.py": "multihost",
                 "test_hosts_ssh.py": "multihost", "test_hosts_slurm.py": "multihost"}
 SHARED_FIXTURES = {"cluster": 2, "cluster4": 4}

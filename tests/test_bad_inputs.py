@@ -315,6 +315,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_the_lifeline_server_holds_a_bounded_number_of_waiting_connections_and_a_lifeline_still_gets_through():
     """300 connections that never say the token (a scanner, a flood) keep at most MAX_PENDING of the kernel's files
     open (900 used to hold 850), and an engine's lifeline that connects during the flood is held."""

@@ -214,6 +214,7 @@ def test_lifeline_module_runs_without_warning():
     assert run.stdout.strip()  # the module it ran (platform) printed this machine's platform
 
 
+@pytest.mark.slow
 def test_import_nbdist_is_light_and_its_names_are_there():
     code = (
         "import sys, nbdist\n"

@@ -276,6 +276,7 @@ def test_the_groups_made_for_traces_live_in_the_engine_registry(eight):
     assert held[0]["what"] == "torch group of ranks [0, 1, 2]"
 
 
+@pytest.mark.slow
 def test_one_spelling_of_each_name_on_both_sides():
     """The engines' algorithms and the figures' styles are keyed by the cost table's names, and only the table
     knows the alias."""

@@ -58,6 +58,7 @@ def test_with_every_gpu_hidden_the_check_says_no_cuda_in_one_line_and_exits_0(hi
     assert_one_no_cuda_line(run_check({"CUDA_VISIBLE_DEVICES": hidden}), "CUDA_VISIBLE_DEVICES")
 
 
+@pytest.mark.slow
 def test_a_gpu_listed_but_torch_without_cuda_is_no_cuda_in_one_line(tmp_path):
     """nvidia-smi lists a GPU (a stand-in here) but torch, a CPU build, has no CUDA: the line says both."""
     import torch
@@ -116,6 +117,7 @@ def test_f(): assert 0
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quiet", [True, False])
 def test_a_real_pytest_run_is_counted_from_its_result_line_and_from_its_progress(tmp_path, quiet):
     (tmp_path / "test_mixed.py").write_text(MIXED)

@@ -50,6 +50,7 @@ def _batch(size: int = 16, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_the_accumulation_answer_equals_one_step_on_the_whole_batch(k):
     accumulate = _solution(LABS[0], "39-accumulate")["accumulate"]
@@ -89,6 +90,7 @@ def _fp16_run(scaler: torch.amp.GradScaler, steps: int) -> list[tuple[float, boo
     return out
 
 
+@pytest.mark.slow
 def test_a_scale_too_high_skips_steps_halving_it_as_torch_does():
     """Lab 39's fp16 section: every overflow skips the step (weights unchanged) and halves the scale, a step taken
     keeps it (torch doubles it only after 2000 clean steps); nbdist's agreeing scaler does on one process exactly

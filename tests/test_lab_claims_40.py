@@ -87,6 +87,7 @@ def step_with(bandwidth: float, **plan) -> float:
 
 @pytest.mark.parametrize("plan", [dict(tp=8, pp=8, chunks=2), dict(tp=8, pp=1, zero=3, sequence_parallel=True)],
                          ids=["3D", "ZeRO-3"])
+@pytest.mark.slow
 def test_a_slower_link_between_hosts_never_shortens_the_step(plan):
     bandwidths = [1e9 * 2 ** k for k in range(9)]  # 1 ... 256 GB/s per GPU
     steps = [step_with(b, **plan) for b in bandwidths]

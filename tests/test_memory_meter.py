@@ -77,6 +77,7 @@ def test_activation_meter_counts_a_linear_stack_by_hand():
     assert meter.live_bytes == 0  # backward released every saved tensor
 
 
+@pytest.mark.slow
 def test_activation_meter_releases_a_graph_dropped_without_backward():
     model = build_mlp()
     with ActivationMeter() as meter:

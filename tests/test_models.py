@@ -101,6 +101,7 @@ def test_same_seed_same_weights_whatever_the_global_random_state_which_is_left_a
     assert digest(gpt(**TINY, seed=1)) != digest(first) and digest(mlp(width=16, seed=1)) != digest(first_mlp)
 
 
+@pytest.mark.slow
 def test_a_fresh_process_builds_the_same_weights_and_data():
     """What every rank relies on: another interpreter (another hash salt, another global seed) builds the same."""
     code = ("import json, torch, sys; sys.path.insert(0, sys.argv[1]); from test_models import digest, TINY\n"
@@ -191,6 +192,7 @@ def test_mlp_of_a_block_split_column_then_row_sums_to_the_whole():
     torch.testing.assert_close(halves[0](x) + halves[1](x), block_mlp(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_tiny_gpt_learns_the_bytes_of_python_source():
     """30 Adam steps on token_batch: the loss falls well below ln(256), where an untrained model starts."""
     torch.manual_seed(0)

@@ -177,6 +177,7 @@ def test_every_exercise_has_a_solution_region_and_a_test(lab):
 # -- (a) the student version --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lab", LABS, ids=[p.stem for p in LABS])
 def test_student_version_has_no_solution_and_every_other_cell_unchanged(course, lab):
     source = nbformat.read(lab, as_version=4)

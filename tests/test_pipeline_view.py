@@ -127,6 +127,7 @@ def html_outputs(messages: list[dict], kind: str = "display_data") -> list[str]:
             if m["msg_type"] == kind and "text/html" in m["content"]["data"]]
 
 
+@pytest.mark.slow
 def test_plotly_js_is_embedded_once_per_kernel():
     from kernel_driver import KernelDriver
 

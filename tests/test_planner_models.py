@@ -166,6 +166,7 @@ def test_long_sequences_need_context_parallelism_to_keep_the_pipeline_busy():
     assert rows[2]["prediction"].shape.cp == 16
 
 
+@pytest.mark.slow
 def test_search_offers_context_parallelism_when_asked():
     model = planner.llama(32, 4096, 32, 8, 14336, seq=131072)
     plans = planner.search(model, H100, gpus=64, global_batch=8, max_cp=16)

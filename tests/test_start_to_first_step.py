@@ -8,6 +8,7 @@ import sys
 import time
 from functools import partial
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,6 +41,7 @@ print(json.dumps({{"before": sorted(before), "after": sorted(n for n in names if
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_kernel_loads_a_trainers_modules_while_the_engines_start_one_per_step():
     loaded = _modules_loaded_by_the_loader("import torch")
     assert loaded["before"] == []
