@@ -653,8 +653,9 @@ def test_a_failing_data_fn_names_the_rank_and_the_cluster_stays_usable(cluster):
     from nbdist.runtime.ranks import registry
 
     before = cluster.run(registry.names, "sharded")
+    trainer = nbdist.Trainer(model_fn, failing, models.lm_loss, adam, batch_size=BATCH, live=False, cluster=cluster)
     with pytest.raises(DistError, match="rank 1 raised FileNotFoundError: no data here"):
-        nbdist.Trainer(model_fn, failing, models.lm_loss, adam, batch_size=BATCH, live=False, cluster=cluster)
+        trainer.fit(steps=1)  # the data are loaded on the ranks when first needed, not by the constructor
     assert cluster.run(lambda: 2) == [2, 2]
     assert cluster.run(registry.names, "sharded") == before  # the plan's model was freed with it
 

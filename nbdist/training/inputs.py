@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 from nbdist.checks import check_functions, whole_number  # noqa: F401 - check_functions: the Trainer's
 from nbdist.errors import DistUsageError, debugging
@@ -35,6 +36,8 @@ def check_lr_schedule(lr_schedule, first: int, steps: int) -> None:
 def check_telemetry(live, straggler: dict, world: int) -> None:
     if not any(live is choice for choice in LIVE):
         raise DistUsageError(f"live must be True (the dashboard in a notebook), False or 'always', got {live!r}")
+    if not isinstance(straggler, dict):
+        raise DistUsageError(f"straggler must be a dict {{rank: seconds}}, got {type(straggler).__name__}")
     for rank, seconds in straggler.items():
         whole_number(rank, "a straggler's rank", 0)
         if rank >= world:
@@ -60,15 +63,17 @@ def check_loss_on_meta(loss_fn, output: tuple, target: tuple) -> None:
         return
 
 
-def steps_of(steps, epochs, length: int | None, batch_size: int) -> int:
-    """fit's steps: `steps`, or `epochs` passes over a data set of `length` samples (an epoch: its whole batches,
-    as nbdist.data.batch_indices reads them); an iterable data set has no length to count epochs by."""
+def steps_of(steps, epochs, length: Callable[[], int | None], batch_size: int) -> int:
+    """fit's steps: `steps`, or `epochs` passes over a data set of `length()` samples (an epoch: its whole batches,
+    as nbdist.data.batch_indices reads them); an iterable data set has no length to count epochs by. `length` is
+    asked only for epochs, once they are checked: the data set is read on the ranks."""
     if (steps is None) == (epochs is None):
         raise DistUsageError("give fit either steps= or epochs=")
     if steps is not None:
         return whole_number(steps, "steps")
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
         raise DistUsageError(f"epochs must be a positive number, got {epochs!r}")
+    length = length()
     if length is None:
         raise DistUsageError("fit(epochs=...) counts passes over the data set, but an iterable data set has no "
                              "length: give steps=")

@@ -18,31 +18,25 @@ import itertools
 import os
 import signal
 import sys
-from dataclasses import fields, replace
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
-from nbdist.checks import one_of, whole_number
 from nbdist.cluster.api import Cluster, current
 from nbdist.errors import DistError, DistInterrupt, DistUsageError
 from nbdist.layout import Layout
 from nbdist.training import checkpoints, inputs, samples
+from nbdist.training import options as options_of
 from nbdist.training.history import History
 from nbdist.training.live import DashboardOnceSent, open_dashboard, shown
 from nbdist.training.pipeline_steps import PipelineSteps
 from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
-from nbdist.training.spec import (
-    NONFINITE,
-    PRECISIONS,
-    SYNC_KINDS,
-    Checkpointing,
-    Data,
-    Optimization,
-    Telemetry,
-    TrainSpec,
-    WholeReplicas,
-)
+from nbdist.training.spec import Checkpointing, Data, Optimization, Telemetry, TrainSpec, WholeReplicas
 from nbdist.wire import portable
+
+if TYPE_CHECKING:
+    from nbdist.sharding.plan import Plan
 
 _numbers = itertools.count()
 
@@ -52,86 +46,77 @@ class NonFiniteLoss(DistError):
     the fit stopped and what the weights hold; the history keeps every step up to there."""
 
 
+@dataclass(frozen=True)
+class _Built:
+    """What a trainer has on the ranks once something needed it (Trainer._built)."""
+
+    model: Any  # the plan's Sharded model or Pipeline; None for whole replicas (the asynchronous modes)
+    mesh: Any
+    spec: TrainSpec
+    dataset_length: int | None  # None: an iterable data set
+    pipeline_steps: PipelineSteps | None
+
+
 class Trainer:
-    """A training run on the cluster (see the module docstring). Its options, by concern (each as keywords, or as
-    one object: nbdist.training.spec):
+    """A training run on the cluster (see the module docstring).
+
+    Each option is given once: as one object per concern (nbdist.training.spec), or as keywords, each routed to
+    its concern's object (training/options.py: the objects' field names; both for one concern is refused):
     - layout, `plan`: None (data parallel over every engine), a Layout or a dict of nbdist.shard's choices (dp,
       tp, zero, ...), or a Plan;
-    - `data=Data(batch_size, seed, eval_data_fn, eval_every, eval_batches)`;
-    - `optimization=Optimization(precision, grad_accum, clip, lr_schedule, sync, sync_options, on_nonfinite)`:
-      `sync` "allreduce" (the plan's own synchronous gradients), "local-sgd", "easgd" or "ssp" (each replica a
-      whole model; `sync_options` e.g. {"period": 4}); `on_nonfinite` what a NaN or infinite loss does: "stop"
-      the fit after that step (NonFiniteLoss, one line naming the step and the ranks), "warn" (one line, training
-      goes on) or "ignore";
-    - `checkpointing=Checkpointing(dir, every, asynchronous)` (keywords checkpoint_dir, checkpoint_every,
-      async_checkpoint);
-    - `telemetry=Telemetry(live, tensorboard, trace, straggler)`: `live` the dashboard in a notebook (True), none
-      (False), or drawn even outside a notebook ("always": for measuring it); `straggler={rank: seconds}` slows a
-      rank by that much per step (for teaching)."""
+    - `data=Data(batch_size=64, seed=0, eval_data_fn=None, eval_every=None, eval_batches=4)`;
+    - `optimization=Optimization(precision="fp32", grad_accum=1, clip=None, lr_schedule=None, sync="allreduce",
+      sync_options={}, on_nonfinite="stop")`: `sync` "allreduce" (the plan's own synchronous gradients),
+      "local-sgd", "easgd" or "ssp" (each replica a whole model; `sync_options` e.g. {"period": 4});
+      `on_nonfinite` what a NaN or infinite loss does: "stop" the fit after that step (NonFiniteLoss, one line
+      naming the step and the ranks), "warn" (one line, training goes on) or "ignore";
+    - `checkpointing=Checkpointing(dir=None, every=None, asynchronous=False)`: as keywords these three keep their
+      older names, checkpoint_dir, checkpoint_every and async_checkpoint (options.ALIASES);
+    - `telemetry=Telemetry(live=True, tensorboard=None, trace=None, straggler={})`: `live` the dashboard in a
+      notebook (True), none (False), or drawn even outside a notebook ("always": for measuring it);
+      `straggler={rank: seconds}` slows a rank by that much per step (for teaching).
 
-    def __init__(self, model_fn: Callable, data_fn: Callable, loss_fn: Callable, optimizer_fn: Callable,
-                 plan=None, batch_size: int = 64, seed: int = 0, checkpoint_dir: str | None = None,
-                 checkpoint_every: int | None = None, precision: str = "fp32", grad_accum: int = 1,
-                 sync: str = "allreduce", *, sync_options: dict | None = None, clip: float | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, eval_data_fn: Callable | None = None,
-                 eval_every: int | None = None, eval_batches: int = 4, straggler: dict | None = None,
-                 async_checkpoint: bool = False, live: bool = True, tensorboard: str | None = None,
-                 trace: str | None = None, on_nonfinite: str = "stop", cluster: Cluster | None = None,
-                 data: Data | None = None, optimization: Optimization | None = None,
-                 checkpointing: Checkpointing | None = None, telemetry: Telemetry | None = None):
+    Making a Trainer checks all this and plans the layout in the kernel, and builds nothing on the ranks: it asks
+    rank 0 only what a check needs and rank 0 tells cheaply (the data's first samples, where the plan of a model
+    that is not a Sequential is made on them or a pipeline's evaluation samples are compared with them; with
+    sync="ssp", the optimizer's class, which its warning names). The ranks build the model, the mesh and their side
+    of the loop at the first call that needs them (fit, resume, save, state_dict, tensor_devices, .model, .mesh,
+    .spec, .dataset_length, .pipeline_steps): what only they can judge (a data set on every rank, the optimizer on
+    the model) is said there, in one line, and a failed build leaves nothing on them."""
+
+    def __init__(self, model_fn: Callable, data_fn: Callable, loss_fn: Callable | None, optimizer_fn: Callable,
+                 plan: Layout | dict | Plan | None = None, *, cluster: Cluster | None = None, data: Data | None = None,
+                 optimization: Optimization | None = None, checkpointing: Checkpointing | None = None,
+                 telemetry: Telemetry | None = None, **options: Any):
+        groups = options_of.grouped({"data": data, "optimization": optimization, "checkpointing": checkpointing,
+                                     "telemetry": telemetry}, options)
         self.cluster = cluster or current()
-        self.data = _one_place("data", data, Data(batch_size, seed, eval_data_fn, eval_every, eval_batches))
-        self.optimization = _one_place("optimization", optimization, Optimization(
-            precision, grad_accum, clip, lr_schedule, sync, dict(sync_options or {}), on_nonfinite))
-        self.checkpointing = _one_place("checkpointing", checkpointing,
-                                        Checkpointing(checkpoint_dir, checkpoint_every, bool(async_checkpoint)))
-        self.telemetry = _one_place("telemetry", telemetry, Telemetry(live, tensorboard, trace, dict(straggler or {})))
+        self.data, self.optimization = groups["data"], groups["optimization"]
+        self.checkpointing, self.telemetry = groups["checkpointing"], groups["telemetry"]
         d, o, c = self.data, self.optimization, self.checkpointing
         inputs.check_functions(model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                                lr_schedule=o.lr_schedule, eval_data_fn=d.eval_data_fn)
-        _check(d, o, c, self.cluster.world_size)
+        options_of.check(d, o, c, self.cluster.world_size)
         inputs.check_telemetry(self.telemetry.live, self.telemetry.straggler, self.cluster.world_size)
         if c.dir:
             c = self.checkpointing = replace(c, dir=checkpoints.writable(c.dir))  # one line if it cannot be
         self.id = f"train{next(_numbers)}"
-        self.loss_fn, self.data_fn, self._example = loss_fn, data_fn, None
+        self.model_fn, self.data_fn, self.loss_fn, self.optimizer_fn = model_fn, data_fn, loss_fn, optimizer_fn
+        self._example, self._build, self._closed = None, None, False
         self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else o.grad_accum
         if d.batch_size % (self.replicas * parts):
             raise DistUsageError(f"batch_size {d.batch_size} must divide evenly over {self.replicas} replica(s) × "
                                  f"{parts} micro-batch(es)")
-        pipelined = self.plan is not None and self.plan.pp > 1
-        prepared = self.cluster.run(rank_inputs.prepare, d.seed, portable(optimizer_fn))
-        said = next((p["problem"] for p in prepared if p["problem"]), None)
-        if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
-            raise DistUsageError(said)
-        samples.say_what_ssp_trains(o.sync, prepared[0]["optimizer"])
-        self.model = self.plan.apply(optimizer_fn) if self.plan is not None else None  # built on the ranks
-        try:
-            self.mesh = self.model.mesh if self.model is not None else self.cluster.mesh(dp=self.replicas)
-            evaluated = d.eval_data_fn if d.eval_every else None
-            pipeline = ({"shapes": samples.pipeline_shapes(self, data_fn, loss_fn, d.batch_size, o.precision,
-                                                           evaluated)} if pipelined else {})
-            whole = WholeReplicas(portable(model_fn), portable(optimizer_fn)) if self.plan is None else None
-            self.spec = TrainSpec(
-                name=self.id, mesh=self.mesh.name, model=self.model.id if self.model else None,
-                replicas=self.replicas, data_fn=portable(data_fn), loss=portable(loss_fn),
-                data=replace(d, eval_data_fn=portable(d.eval_data_fn)),
-                optimization=replace(o, lr_schedule=portable(o.lr_schedule)),
-                checkpointing=c, straggler=self.telemetry.straggler,
-                whole_replicas=whole, pipeline=pipeline)
-            infos = self.cluster.run(on_ranks.setup, self.spec)
-            said = inputs.failure_line(infos)
-            if said:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
-                self.cluster.run(on_ranks.close, self.id)
-                raise DistUsageError(said)
-        except BaseException:
-            self._close_model()  # the plan's model was built on the ranks: free it with the failed trainer
-            raise
-        self.dataset_length = infos[0]["length"]
+        if o.sync == "ssp":  # its warning names the optimizer's class, which only the ranks make (torch._dynamo)
+            tried = self.cluster.run(rank_inputs.prepare, d.seed, portable(optimizer_fn), ranks=[0])[0]
+            if tried["problem"]:
+                raise DistUsageError(tried["problem"])
+            samples.say_what_ssp_trains(o.sync, tried["optimizer"])
+        if self.pipelined and d.eval_every:  # the training sample is the build's anyway
+            samples.check_evaluated_like_trained(self, d.eval_data_fn, loss_fn)
         self.history = History()
-        self.pipeline_steps = PipelineSteps(self.model) if pipelined else None  # what bubbles() explains
         self.stopped = False
 
     def _plan(self, model_fn, plan, grad_accum: int, sync: str):
@@ -163,11 +148,70 @@ class Trainer:
         return plan
 
     @property
+    def pipelined(self) -> bool:
+        return self.plan is not None and self.plan.pp > 1
+
+    # -- built on the ranks at first need -----------------------------------------------------------------------
+
+    model = property(lambda self: self._built().model, doc="The plan's model on the ranks (None: whole replicas).")
+    mesh = property(lambda self: self._built().mesh, doc="The mesh the run trains over.")
+    spec = property(lambda self: self._built().spec, doc="What every rank was given to run its loop.")
+    dataset_length = property(lambda self: self._built().dataset_length, doc="Samples (None: an iterable).")
+    pipeline_steps = property(lambda self: self._built().pipeline_steps,
+                              doc="The pipeline's reported steps, what bubbles() explains (None: no pipeline).")
+
+    def _built(self) -> _Built:
+        """The ranks' side of this run, built by the first call that needs it. A build that fails leaves nothing
+        on the ranks (the next call tries again)."""
+        if self._closed:
+            raise DistUsageError(f"Trainer {self.id} is closed (close() freed it on the ranks): make a new Trainer")
+        if self._build is None:
+            self._build = self._build_on_ranks()
+        return self._build
+
+    def _build_on_ranks(self) -> _Built:
+        d, o = self.data, self.optimization
+        prepared = self.cluster.run(rank_inputs.prepare, d.seed, portable(self.optimizer_fn))
+        said = next((p["problem"] for p in prepared if p["problem"]), None)
+        if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
+            raise DistUsageError(said)
+        model = self.plan.apply(self.optimizer_fn) if self.plan is not None else None
+        try:
+            mesh = model.mesh if model is not None else self.cluster.mesh(dp=self.replicas)
+            pipeline = ({"shapes": samples.pipeline_shapes(self, model, self.data_fn, self.loss_fn, d.batch_size,
+                                                           o.precision)} if self.pipelined else {})
+            whole = (WholeReplicas(portable(self.model_fn), portable(self.optimizer_fn)) if self.plan is None
+                     else None)
+            spec = TrainSpec(
+                name=self.id, mesh=mesh.name, model=model.id if model else None,
+                replicas=self.replicas, data_fn=portable(self.data_fn), loss=portable(self.loss_fn),
+                data=replace(d, eval_data_fn=portable(d.eval_data_fn)),
+                optimization=replace(o, lr_schedule=portable(o.lr_schedule)),
+                checkpointing=self.checkpointing, straggler=self.telemetry.straggler,
+                whole_replicas=whole, pipeline=pipeline)
+            infos = self.cluster.run(on_ranks.setup, spec)
+            said = inputs.failure_line(infos)
+            if said:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
+                self.cluster.run(on_ranks.close, self.id)
+                raise DistUsageError(said)
+        except BaseException:
+            _close(model, self.cluster)  # the plan's model was built on the ranks: free it with the failed build
+            raise
+        return _Built(model, mesh, spec, infos[0]["length"], PipelineSteps(model) if self.pipelined else None)
+
+    def _unbuild(self) -> None:
+        """Free what the ranks hold for this run; a later need builds it anew."""
+        built, self._build = self._build, None
+        if built is not None and self.cluster.running:
+            self.cluster.run(on_ranks.close, self.id)
+            _close(built.model, self.cluster)
+
+    @property
     def example(self):
         """The data set's first two samples as the loop batches them, (inputs, targets or None), read on rank 0 when
         first needed (a model that is not a Sequential is profiled on them; a pipeline sizes its messages by them)."""
         if self._example is None:
-            self._example = samples.read(self.cluster, self.data_fn, "data_fn", self.loss_fn)
+            self._example = samples.read(self.cluster, self.data_fn, "data_fn", self.loss_fn, self.data.batch_size)
         return self._example
 
     # -- the run ----------------------------------------------------------------------------------------------
@@ -184,8 +228,9 @@ class Trainer:
 
         wait=False: training goes on in the background and the notebook stays free (the cluster itself is busy
         until it ends); returns a TrainingRun: `.stop()`, `.wait() -> history`, `.running`."""
-        steps = inputs.steps_of(steps, epochs, self.dataset_length, self.data.batch_size)
+        steps = inputs.steps_of(steps, epochs, lambda: self.dataset_length, self.data.batch_size)
         inputs.check_lr_schedule(self.optimization.lr_schedule, self.step, steps)
+        self._built()  # here, not in a background fit's thread
         live = self.telemetry.live
         if not (live and shown(always=live == "always")):
             return self._train(steps, None) if wait else TrainingRun(self, steps, None)
@@ -230,8 +275,10 @@ class Trainer:
     def bubbles(self, step: int | None = None):
         """Where a pipeline step's idle time came from (default: the newest step every rank reported; the last
         few are kept): by rank and cause, with the change that would save the most (debugging/bubbles.py)."""
-        if self.pipeline_steps is None:
+        if not self.pipelined:
             raise DistUsageError("bubbles() explains pipeline steps: this trainer's plan has no pipeline (pp = 1)")
+        if self._build is None:
+            raise DistUsageError("no pipeline step reported by every rank yet: train first (fit)")
         return self.pipeline_steps.breakdown(step)
 
     def request_stop(self) -> None:
@@ -255,19 +302,27 @@ class Trainer:
         if directory is None:
             raise DistUsageError("save() needs a folder: give save(directory) or Trainer(checkpoint_dir=...)")
         directory = checkpoints.writable(directory)
+        self._built()
         return self.cluster.run(on_ranks.save, self.id, directory, asynchronous)[0]
 
     def resume(self, path: str | None = None) -> "Trainer":
         """Load a checkpoint (a step_* folder, or a checkpoint folder: its newest complete checkpoint) into this
-        trainer's model and optimizer, on any engine count or plan; training goes on from its step."""
+        trainer's model and optimizer, on any engine count or plan; training goes on from its step. Where this is
+        the first need of the ranks' side and the checkpoint does not load, what was built for it is freed."""
         path = checkpoints.find(path or self.checkpointing.dir)
+        first = self._build is None
+        self._built()
         try:
             steps = self.cluster.run(on_ranks.load, self.id, path)
-        except Exception as e:
-            raise DistUsageError(checkpoints.unreadable(path, e)) from None
-        problems = [f"rank {rank}: {said}" for rank, said in enumerate(steps) if isinstance(said, str)]
-        if problems:
-            raise DistUsageError(checkpoints.unreadable(path, "; ".join(problems)))
+            problems = [f"rank {rank}: {said}" for rank, said in enumerate(steps) if isinstance(said, str)]
+        except Exception as e:  # noqa: BLE001 - what the ranks raised, said as the checkpoint's problem
+            said = checkpoints.unreadable(path, e)
+        else:
+            said = checkpoints.unreadable(path, "; ".join(problems)) if problems else None
+        if said is not None:
+            if first:
+                self._unbuild()
+            raise DistUsageError(said) from None
         step = steps[0]
         self.history.truncate(step)
         return self
@@ -285,20 +340,13 @@ class Trainer:
     def tensor_devices(self) -> dict[int, list[str]]:
         """Per rank, the devices its model and optimizer state lie on: `[cluster.devices[rank]]` where every
         tensor is on the engine's own device (its GPU, or the CPU), which is what `%dist_status` shows."""
+        self._built()
         return dict(enumerate(self.cluster.run(on_ranks.tensor_devices, self.id)))
 
     def close(self) -> None:
-        """Free what the trainer holds on the ranks (model, optimizer, data set)."""
-        if self.cluster.running:
-            self.cluster.run(on_ranks.close, self.id)
-            self._close_model()
-
-    def _close_model(self) -> None:
-        if self.model is not None and self.cluster.running:
-            try:
-                self.model.close()
-            except DistUsageError:  # the engines are gone (a dead rank): nothing is left to free
-                pass
+        """Free what the trainer holds on the ranks (model, optimizer, data set); it trains no more."""
+        self._unbuild()
+        self._closed = True
 
     def describe(self) -> str:
         """What it trains: the plan, or the sync mode and its replicas (a dashboard's subtitle, its repr)."""
@@ -310,45 +358,16 @@ class Trainer:
         return f"<nbdist Trainer {self.id}: {self.describe()}; step {self.step}>"
 
 
-def _one_place(concern: str, given, from_keywords):
-    """The options of one concern: its object, or the keywords' (refused when both are given)."""
-    if given is None:
-        return from_keywords
-    if not isinstance(given, type(from_keywords)):
-        raise DistUsageError(f"{concern} must be a {type(from_keywords).__name__}, got {type(given).__name__}")
-    if from_keywords != type(from_keywords)():
-        raise DistUsageError(f"give the {concern} options in one place: {concern}={type(given).__name__}(...) or "
-                             "keywords, not both")
-    return given
+Trainer.__signature__ = options_of.signature(Trainer.__init__)  # every option by name, for help() and tooltips
 
 
-def _check(d: Data, o: Optimization, c: Checkpointing, world: int) -> None:
-    """One line for the first option that cannot work, before anything is built."""
-    from nbdist.training.ranks.sync_modes import check_options
-
-    one_of(o.precision, PRECISIONS, "precision")
-    one_of(o.sync, SYNC_KINDS, "sync")
-    one_of(o.on_nonfinite, NONFINITE, "on_nonfinite")
-    if not isinstance(o.sync_options, dict):
-        raise DistUsageError(f"sync_options must be a dict (e.g. {{'period': 4}}), got {type(o.sync_options).__name__}")
-    check_options(o.sync, o.sync_options, world)
-    whole_number(d.batch_size, "batch_size")
-    whole_number(o.grad_accum, "grad_accum")
-    whole_number(d.seed, "seed", 0)
-    whole_number(d.eval_batches, "eval_batches")
-    for label, every in (("checkpoint_every", c.every), ("eval_every", d.eval_every)):
-        if every is not None:
-            whole_number(every, label)
-    if c.every and not c.dir:
-        raise DistUsageError("checkpoint_every needs a checkpoint_dir to write into")
-    if d.eval_every and d.eval_data_fn is None:
-        raise DistUsageError("eval_every needs an eval_data_fn (the evaluation data set)")
-    if d.eval_data_fn is not None and not d.eval_every:
-        raise DistUsageError("eval_data_fn is evaluated every eval_every steps: give eval_every too")
-    if d.eval_batches != Data.eval_batches and d.eval_data_fn is None:
-        raise DistUsageError(f"eval_batches={d.eval_batches} needs an eval_data_fn (the evaluation data set)")
-    if o.clip is not None and not (isinstance(o.clip, (int, float)) and o.clip > 0):
-        raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {o.clip!r}")
+def _close(model, cluster: Cluster) -> None:
+    """Free a plan's model on the ranks (None: whole replicas, freed with the trainer)."""
+    if model is not None and cluster.running:
+        try:
+            model.close()
+        except DistUsageError:  # the engines are gone (a dead rank): nothing is left to free
+            pass
 
 
 class _graceful_stop:

@@ -118,11 +118,13 @@ def _check_sample(sample, label: str) -> None:
                      f"style), got {describe(sample)}")
 
 
-def sample(data_fn: bytes, label: str = "data_fn", loss_given: bool = True, samples: int = 2) -> dict:
+def sample(data_fn: bytes, label: str = "data_fn", loss_given: bool = True, samples: int = 2,
+           batch_size: int | None = None) -> dict:
     """The first `samples` samples of the data set as the loop makes a batch of them ({"example": (inputs,
     targets)}: what the kernel profiles a model with and sizes a pipeline's messages by) and, for (input, target)
     pairs, the shape and dtype of one sample's input and target ({"x": (shape, dtype), "y": ...}); or {"error":
-    line} where the data set is not one the loop can read."""
+    line} where the data set is not one the loop can read, or (given `batch_size`) cannot make that global batch
+    of: what the ranks' set-up would say, said by the read the kernel makes anyway."""
     from nbdist.models import batches
     from nbdist.training.ranks.inputs import named
     from nbdist.wire import restore
@@ -131,6 +133,8 @@ def sample(data_fn: bytes, label: str = "data_fn", loss_given: bool = True, samp
     label = named(fn, label)
     try:
         source = DataSource(fn(), label)
+        if batch_size is not None:
+            source.check_batch_size(batch_size)
         collated = source.share(0, min(samples, source.length or samples), 0, 1, 0)
         x, y = batches.inputs_and_targets(collated, loss_given, label)
     except DistUsageError as e:
