@@ -10,9 +10,16 @@ One substitution, and only one (TORCH_SUBSTITUTION below, printed when the test 
 `torch==2.13.0` from the registry they do reach instead: the same release, resolved to the CPU build that lies on
 this machine's disk (pip's find-links), so torch is not downloaded again; pip's cache serves the other packages on
 later runs. On a fresh machine the set-up downloads JupyterLab, MPICH and the rest: a few minutes.
+
+The venv with binder/requirements.txt installed is built once per content of binder/ and kept in the user's cache
+(~/.cache/nbdist-tests/binder-<hash of runtime.txt, requirements.txt, postBuild>), so a later run of the suite
+reuses it; postBuild (nbdist itself, from the copy of the repository) runs every time. NBDIST_BINDER_FRESH=1 builds
+a fresh venv in the test's own folder instead.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -88,22 +95,52 @@ def run(command: list[str], cwd: Path, env: dict, timeout: int) -> str:
     return done.stdout
 
 
+def venv_folder(tmp_path: Path) -> Path:
+    """Where the Binder venv is built: the user's cache, one folder per content of binder/ (see the docstring)."""
+    if os.environ.get("NBDIST_BINDER_FRESH") == "1":
+        return tmp_path / "venv"
+    digest = hashlib.sha256()
+    for name in ("runtime.txt", "requirements.txt", "postBuild"):
+        digest.update((BINDER / name).read_bytes())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nbdist-tests"
+    return cache / f"binder-{digest.hexdigest()[:16]}"
+
+
+def built_venv(venv: Path, repo: Path, requirements_file: Path) -> str:
+    """binder/requirements.txt installed in `venv` (a venv of binder/runtime.txt's Python), unless a complete one is
+    there already; says which. One build at a time (a lock beside it)."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    complete = venv / "nbdist-binder-complete"
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if complete.exists():
+            return f"Binder venv reused: {venv} (built earlier from the same binder/ files)"
+        shutil.rmtree(venv, ignore_errors=True)  # a build that did not finish
+        python = shutil.which(f"python{runtime_python()}") or sys.executable
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        env = binder_env(venv)
+        version = run([str(venv / "bin" / "python"), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                      repo, env, 60).strip()
+        assert version == runtime_python(), \
+            f"binder/runtime.txt asks for Python {runtime_python()}; the venv has {version}"
+        run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(requirements_file)],
+            repo, env, INSTALL_TIMEOUT_S)
+        complete.write_text("binder/requirements.txt installed\n")
+        return f"Binder venv built: {venv}"
+
+
 def test_binder_environment_runs_the_quickstart(tmp_path):
     started = time.perf_counter()
-    python = shutil.which(f"python{runtime_python()}") or sys.executable
     repo = repository_copy(tmp_path / "repo")
-    venv = tmp_path / "venv"
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    requirements, substitutions = requirements_reachable_here()
+    print("\n".join(substitutions))
+    (tmp_path / "requirements.txt").write_text(requirements)
+    venv = venv_folder(tmp_path)
+    print(built_venv(venv, repo, tmp_path / "requirements.txt"))
     env = binder_env(venv)
     version = run([str(venv / "bin" / "python"), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                   repo, env, 60).strip()
     assert version == runtime_python(), f"binder/runtime.txt asks for Python {runtime_python()}; the venv has {version}"
-
-    requirements, substitutions = requirements_reachable_here()
-    print("\n".join(substitutions))
-    (tmp_path / "requirements.txt").write_text(requirements)
-    run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(tmp_path / "requirements.txt")],
-        repo, env, INSTALL_TIMEOUT_S)
     run(["bash", str(repo / "binder" / "postBuild")], repo, env, INSTALL_TIMEOUT_S)
     installed = time.perf_counter() - started
     torch_version = run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"], repo, env, 120)
