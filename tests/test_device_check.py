@@ -3,7 +3,7 @@ scripts/device_check.py: reading pytest's output, the summary line and its verdi
 install, the GPU's peak, that what the gpu tests import is carried or on the GPU machine already, and the
 2-engine run's rank half (on the shared CPU cluster: the GPU machine has one GPU, so it never runs there).
 
-The GPU half of the script runs on a GPU machine only (README, "GPUs"); nothing here uses CUDA.
+The GPU half of the script runs on a GPU machine only (docs/gpus.md); nothing here uses CUDA.
 """
 from __future__ import annotations
 
