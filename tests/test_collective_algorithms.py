@@ -286,7 +286,7 @@ def test_one_spelling_of_each_name_on_both_sides():
     assert tuple(allreduce.ALGORITHMS) == tuple(ALGORITHM_STYLES) == costs.ALGORITHMS
     assert costs.canonical("recursive_doubling") == "recursive-doubling" and costs.ALIASES == {
         "recursive_doubling": "recursive-doubling"}
-    assert not hasattr(nbdist.collectives, "ring_all_reduce")  # engine code is reached through nbdist.engine
+    assert not hasattr(nbdist.collectives, "ring_all_reduce")  # rank code is reached through nbdist.collectives.ranks
     package = pathlib.Path(nbdist.__file__).parent
     spelled = {str(path.relative_to(package)) for path in package.rglob("*.py")
                for node in ast.walk(ast.parse(path.read_text()))

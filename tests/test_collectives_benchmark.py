@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from nbdist.collectives import OPS, AlphaBeta, BenchmarkResult, benchmark, fit_alpha_beta
+from nbdist.collectives.replies import MpiWorld
 from nbdist.errors import DistError, DistUsageError
 
 BUSBW_FACTOR_2_RANKS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0,
@@ -145,7 +146,7 @@ class _FakeCluster:
 
     world_size = 2
 
-    def __init__(self, worlds: list[dict]):
+    def __init__(self, worlds: list[MpiWorld]):
         self.worlds, self.calls = worlds, []
 
     def run(self, fn, *args, **kwargs):
@@ -187,10 +188,9 @@ def test_bad_input_raises_before_anything_runs(kwargs, message):
 @pytest.mark.parametrize(
     "worlds, message",
     [
-        ([{"torch_rank": r, "torch_size": 2, "mpi_rank": 0, "mpi_size": 1} for r in (0, 1)],
-         "rank 0 is MPI rank 0 of 1 and torch rank 0 of 2"),
-        ([{"torch_rank": r, "torch_size": 2, "problem": "mpi4py cannot be imported on the engines (no module)"}
-          for r in (0, 1)], "rank 0: mpi4py cannot be imported"),
+        ([MpiWorld(r, 2, 0, 1) for r in (0, 1)], "rank 0 is MPI rank 0 of 1 and torch rank 0 of 2"),
+        ([MpiWorld(r, 2, problem="mpi4py cannot be imported on the engines (no module)") for r in (0, 1)],
+         "rank 0: mpi4py cannot be imported"),
     ],
 )
 def test_mpi_without_a_matching_mpi_world_is_refused_after_asking_the_engines(worlds, message):

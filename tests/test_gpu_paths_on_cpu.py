@@ -28,7 +28,9 @@ class Counted(Recovery):
     """The cluster's own answers, with bringing the ranks back in step counted and said."""
 
     def __init__(self, cluster, calls: list):
-        super().__init__(cluster, cluster._launched, cluster._info, cluster._view, cluster._mark_ended)
+        launched = cluster._launched
+        super().__init__(cluster, launched.cluster, launched.lifeline, cluster._info, cluster._view,
+                         cluster._mark_ended)
         self.calls = calls
 
     def back_in_step(self) -> str:

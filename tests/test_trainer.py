@@ -410,7 +410,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_and_none_of_it_
                 tr.resume(bad)  # the kernel reads it first
             assert "\n" not in str(refused.value) and capfd.readouterr() == ("", "")
             said = cluster.run(on_ranks.load, tr.id, bad)  # and so do the ranks, where the kernel cannot see it
-            refusals = [s for s in said if isinstance(s, str)]  # a rank reads its own .rng file alone
+            refusals = [s.problem for s in said if s.problem is not None]  # a rank reads its own .rng file alone
             assert refusals and all(re.match(r"UnreadableCheckpoint: .*would run code to load \(it names "
                                              r"builtins.exec\)", s) for s in refusals), said
             assert not marker.exists(), name
@@ -443,7 +443,8 @@ def test_a_corrupt_checkpoint_is_one_line_without_torchs_loader_logs(cluster, tm
             assert "\n" not in str(said.value)
             assert capfd.readouterr() == ("", "")  # nothing else in the cell
         said = cluster.run(on_ranks.load, tr.id, str(good))  # the ranks' own check: one line each, no traceback
-        assert all(re.match(r"UnreadableCheckpoint: .metadata is corrupt", s) for s in said), said
+        assert all(s.step is None and re.match(r"UnreadableCheckpoint: .metadata is corrupt", s.problem)
+                   for s in said), said
         assert capfd.readouterr() == ("", "")
     finally:
         tr.close()

@@ -163,7 +163,8 @@ class Cluster:
 
     def _recovery(self) -> Recovery:
         """What this cluster answers its waiters (who died, how to interrupt, how to get back in step)."""
-        return Recovery(self, self._require_running(), self._info, self._view, self._mark_ended)
+        launched = self._require_running()
+        return Recovery(self, launched.cluster, launched.lifeline, self._info, self._view, self._mark_ended)
 
     def _mark_ended(self) -> None:
         self._ended = True  # an engine died, which ended the MPI job: the next use says so until a restart

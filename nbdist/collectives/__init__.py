@@ -4,6 +4,7 @@ sweep.py        benchmark(): every collective timed through torch.distributed an
 tracing.py      trace(): a hand-built all-reduce run on the cluster, compared with dist.all_reduce, step by step
 costmodel.py    the alpha-beta model (latency + bytes / bandwidth) fitted to a sweep; ring vs tree predictions
 ops.py          the benchmarked ops as data: names, chunked or not, element size (read on both sides)
+replies.py      what the benchmark's ranks answer: their MPI world, one collective's time (read on both sides)
 
 What they cost (one table of steps and bytes per all-reduce algorithm, what costmodel and trace both charge) is
 nbdist/cost/collectives.py. What runs ON the engines is in ranks/: allreduce.py (ring, tree, recursive doubling

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 
 from nbdist.checks import is_whole, one_of, positive_seconds, whole_number
 from nbdist.collectives.ops import CHUNKED, ELEMENT_BYTES, OPS, VIAS
+from nbdist.collectives.replies import Timed
 from nbdist.errors import DistError, DistUsageError
 from nbdist.units import format_bytes
 
@@ -159,28 +160,28 @@ def _require_mpi_world(cluster, mpi_world) -> None:
     (`mpi_world`: the engines' report of both)."""
     worlds = cluster.run(mpi_world)
     for rank, world in enumerate(worlds):
-        if world.get("problem"):
-            raise DistUsageError(f"via='mpi' is not possible: rank {rank}: {world['problem']}")
-        if (world["mpi_rank"], world["mpi_size"]) != (world["torch_rank"], world["torch_size"]):
+        if world.problem:
+            raise DistUsageError(f"via='mpi' is not possible: rank {rank}: {world.problem}")
+        if (world.mpi_rank, world.mpi_size) != (world.torch_rank, world.torch_size):
             raise DistUsageError(
                 f"via='mpi' needs the engines to form one MPI world matching torch.distributed, but rank {rank} is "
-                f"MPI rank {world['mpi_rank']} of {world['mpi_size']} and torch rank {world['torch_rank']} of "
-                f"{world['torch_size']}"
+                f"MPI rank {world.mpi_rank} of {world.mpi_size} and torch rank {world.torch_rank} of "
+                f"{world.torch_size}"
             )
 
 
-def _row(op: str, via: str, size: int, n: int, check: bool, per_rank: list[dict]) -> dict:
+def _row(op: str, via: str, size: int, n: int, check: bool, per_rank: list[Timed]) -> dict:
     """One table row from every rank's report; a wrong result on any rank raises DistError."""
     for report in per_rank:
-        if report.get("error"):
-            raise DistError(f"{op} via {via} at {size} bytes gave a wrong result: rank {report['rank']}: "
-                            f"{report['error']}")
+        if report.wrong:
+            raise DistError(f"{op} via {via} at {size} bytes gave a wrong result: rank {report.rank}: "
+                            f"{report.wrong}")
+    first = per_rank[0]
     row = {"op": op, "via": via, "size_bytes": size, "seconds": None, "algbw": None, "busbw": None, "ranks": n,
-           "checked": False, "iters": per_rank[0].get("iters"), "backend": per_rank[0]["backend"],
-           "note": per_rank[0].get("note", "")}
-    if per_rank[0].get("unsupported"):
+           "checked": False, "iters": first.iters, "backend": first.backend, "note": first.note}
+    if first.unsupported:
         return row
-    seconds = max(report["seconds"] for report in per_rank)  # the slowest rank's time per operation
+    seconds = max(report.seconds for report in per_rank)  # the slowest rank's time per operation
     algbw = size / seconds / 1e9
     row.update(seconds=seconds, algbw=algbw, busbw=algbw * busbw_factor(op, n), checked=check)
     return row

@@ -5,9 +5,9 @@ Every micro-batch is played: at cluster scale that is many actions (Megatron-LM'
 stages, m = 512 micro-batches and v = 2 chunks: 65,000 compute actions, seconds to simulate), which is why a
 search simulates only its best candidates (frontier.py). Playing fewer micro-batches and extending the steady
 state is exact only for even stages: with the first and last stages heavier (embedding, logits) the pipeline
-settles into its steady state slowly (measured here: after 6p micro-batches in one case), so nothing is
-extrapolated. The peak of held activations depends on the order alone, not on the durations: it stops growing
-once the warm-up is over, so it is read from the schedule's order with at most 3p micro-batches.
+settles into its steady state slowly (figures: benchmarks/README.md), so nothing is extrapolated. The peak of
+held activations depends on the order alone, not on the durations: it stops growing once the warm-up is over, so
+it is read from the schedule's order with at most 3p micro-batches.
 """
 from __future__ import annotations
 

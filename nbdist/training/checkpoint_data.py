@@ -1,4 +1,4 @@
-"""A checkpoint holds data, never code (issue 22): how its files are read, the same way in the kernel (a checkpoint
+"""A checkpoint holds data, never code: how its files are read, the same way in the kernel (a checkpoint
 is checked there before the ranks load it: checkpoints.py) and on the ranks (ranks/checkpoint.py).
 
 - trainer.json: JSON (step, seed, world size, plan, and the size of every file the save wrote).

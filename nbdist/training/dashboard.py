@@ -85,7 +85,7 @@ class Dashboard(WithStaticCopy):
 
     def figure_json(self) -> dict:
         """The figure as plotly JSON: the traces and layout of a figure of this shape (built once per kernel and
-        kept: building one takes ~0.1 s) with this run's values and title."""
+        kept: building one is slow; figures: benchmarks/README.md) with this run's values and title."""
         from nbdist.viz.training import shape_of, trace_values, utilisation_axes, utilisation_note  # at first draw
 
         shape = shape_of(self.live.records, self.telemetry)
@@ -133,8 +133,9 @@ class Dashboard(WithStaticCopy):
 
     def _static_bundle(self) -> dict:
         """The figure's static copy; before the first redraw in a kernel that has drawn no training figure yet (plotly
-        and the figure's template take ~0.3 s to load and build the first time), an empty one: the fit is sent to the
-        ranks before that work, and the fit's end replaces the copy with the whole figure (what an export keeps)."""
+        and the figure's template are slow to load and build the first time; figures: benchmarks/README.md), an
+        empty one: the fit is sent to the ranks before that work, and the fit's end replaces the copy with the whole
+        figure (what an export keeps)."""
         if self.redraws or _TEMPLATES:
             return super()._static_bundle()
         empty = figure_html({"data": [], "layout": {}}, loader=False)

@@ -12,7 +12,7 @@ class History:
         self.step = 0  # steps done: one past the last step trained, or the step a checkpoint resumed at
 
     def add(self, rank_records: list[dict]) -> None:
-        """Merge one rank's records (engine/training.RankTrainer.records) into the per-step records."""
+        """Merge one rank's records (training/ranks/training.RankTrainer.records) into the per-step records."""
         for r in rank_records:
             row = self.by_step.setdefault(r["step"], {"step": r["step"], "loss": r["loss"], "lr": r["lr"],
                                                       "samples": r["samples"], "ranks": {}})

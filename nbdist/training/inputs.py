@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from nbdist.checks import check_functions, whole_number  # noqa: F401 - check_functions: the Trainer's
 from nbdist.errors import DistUsageError, debugging
+from nbdist.training.replies import Failure, Fitted
 
 LIVE = (True, False, "always")
 
@@ -80,23 +81,19 @@ def steps_of(steps, epochs, length: Callable[[], int | None], batch_size: int) -
     return max(1, math.ceil(epochs * (length // batch_size)))
 
 
-def failure_line(results: list[dict]) -> str | None:
-    """One line from the ranks that returned a failure instead of raising (set-up's "error", a first step's
-    "failure"): the line, when every rank said the same; else each line with its ranks. NBDIST_DEBUG=1: the ranks'
-    tracebacks are printed first."""
-    failed = {}
-    for result in results:
-        said = result.get("error") or (result.get("failure") or {}).get("line")
-        if said:
-            failed[result["rank"]] = said
-            if debugging() and result.get("failure"):
-                sys.stderr.write("".join(f"[rank {result['rank']}] {line}\n"
-                                         for line in result["failure"]["traceback"].splitlines()))
+def failure_line(failures: dict[int, Failure]) -> str | None:
+    """One line from the ranks that returned a failure instead of raising (rank -> set-up's problem, a first
+    step's failure): the line, when every rank said the same; else each line with its ranks. NBDIST_DEBUG=1: the
+    ranks' tracebacks are printed first."""
+    failed = {rank: failure for rank, failure in failures.items() if failure.line}
     if not failed:
         return None
+    if debugging():
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for rank, failure in sorted(failed.items())
+                                 for line in failure.traceback.splitlines()))
     by_line: dict[str, list[int]] = {}
-    for rank, line in sorted(failed.items()):
-        by_line.setdefault(line, []).append(rank)
+    for rank, failure in sorted(failed.items()):
+        by_line.setdefault(failure.line, []).append(rank)
     if len(by_line) == 1:  # every rank that could tell said the same
         return next(iter(by_line))
     return "; ".join(f"{ranks_text(ranks)}: {line}" for line, ranks in by_line.items())
@@ -106,20 +103,20 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
-def nonfinite_line(results: list[dict], policy: str) -> str | None:
+def nonfinite_line(results: list[Fitted], policy: str) -> str | None:
     """Where this fit's loss first was not finite, on which ranks, where the fit stopped (or that it went on) and
     what the weights hold now; None when every loss was finite (or on_nonfinite="ignore")."""
-    seen = {r["rank"]: r["nonfinite"] for r in results if r.get("nonfinite")}
+    seen = {r.rank: r.nonfinite for r in results if r.nonfinite is not None}
     if not seen:
         return None
-    first, count = min(s["first"] for s in seen.values()), max(s["count"] for s in seen.values())
+    first, count = min(s.first for s in seen.values()), max(s.count for s in seen.values())
     values: dict[str, list[int]] = {}
     for rank, s in sorted(seen.items()):
-        if s["mine"] is not None:
-            values.setdefault(f"{s['mine']}", []).append(rank)
+        if s.mine is not None:
+            values.setdefault(f"{s.mine}", []).append(rank)
     where = ", ".join(f"{value} on {ranks_text(ranks)}" for value, ranks in values.items()) or "not finite"
-    last = max(r["step"] for r in results) - 1
-    bad = sorted(rank for rank, s in seen.items() if not s["weights_finite"])
+    last = max(r.step for r in results) - 1
+    bad = sorted(rank for rank, s in seen.items() if not s.weights_finite)
     weights = f"the weights are now non-finite on {ranks_text(bad)}" if bad else "the weights are still finite"
     head = f"step {first}: the loss is {where} (the first non-finite loss of this fit)"
     if policy == "warn":
@@ -128,15 +125,15 @@ def nonfinite_line(results: list[dict], policy: str) -> str | None:
     if last == first:
         stopped = "the fit stopped after it, and its optimizer step had run"
     else:
-        lag = max(s["lag"] for s in seen.values())
+        lag = max(s.lag for s in seen.values())
         stopped = f"the fit stopped after step {last} (the replicas learn each other's losses {lag} steps late)"
     return f"{head}; {stopped}: {weights} (on_nonfinite='warn' or 'ignore' trains on)"
 
 
-def nonfinite_eval_line(results: list[dict]) -> str | None:
+def nonfinite_eval_line(results: list[Fitted]) -> str | None:
     """The first step of this fit whose eval loss was not finite (the training loss being finite, its data or what
     the model makes of it is the likely cause); None when every eval loss was finite."""
-    evals = sorted((row["step"], row["eval_loss"]) for r in results for row in r.get("records", ())
+    evals = sorted((row["step"], row["eval_loss"]) for r in results for row in r.records
                    if isinstance(row.get("eval_loss"), float))
     bad = [(step, value) for step, value in evals if not math.isfinite(value)]
     if not bad:

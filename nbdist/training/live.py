@@ -1,9 +1,9 @@
 """Whether a fit shows a dashboard, and the dashboard of a fit that waits, opened once the ranks have their work.
 
-Why later: in a kernel, importing the dashboard's widgets and plotly and drawing its first picture takes about
-0.13 s (measured from a fresh kernel), which the first training step need not wait for. A fit that waits opens it
-at the wait's first call, right after the work is sent and in the cell that called fit; a fit in the background
-opens it before (its wait runs in another thread, whose output would land in whichever cell runs then)."""
+Why later: in a kernel, importing the dashboard's widgets and plotly and drawing its first picture takes a
+noticeable time (figures: benchmarks/README.md), which the first training step need not wait for. A fit that waits
+opens it at the wait's first call, right after the work is sent and in the cell that called fit; a fit in the
+background opens it before (its wait runs in another thread, whose output would land in whichever cell runs then)."""
 from __future__ import annotations
 
 

@@ -17,9 +17,9 @@ def read(cluster, data_fn, label: str, loss_fn, batch_size: int | None = None):
     line where the data set is not one the loop can read (or, given `batch_size`, cannot make that batch of)."""
     said = cluster.run(data_source.sample, portable(data_fn), label, loss_fn is not None, batch_size=batch_size,
                        ranks=[0])[0]
-    if "error" in said:
-        raise DistUsageError(said["error"])
-    return said["example"]
+    if said.problem is not None:
+        raise DistUsageError(said.problem)
+    return said.example
 
 
 def check_evaluated_like_trained(trainer, eval_data_fn, loss_fn) -> None:

@@ -32,6 +32,7 @@ from nbdist.training.live import DashboardOnceSent, open_dashboard, shown
 from nbdist.training.pipeline_steps import PipelineSteps
 from nbdist.training.ranks import inputs as rank_inputs
 from nbdist.training.ranks import training as on_ranks
+from nbdist.training.replies import Failure
 from nbdist.training.spec import Checkpointing, Data, Optimization, Telemetry, TrainSpec, WholeReplicas
 from nbdist.wire import portable
 
@@ -111,9 +112,9 @@ class Trainer:
                                  f"{parts} micro-batch(es)")
         if o.sync == "ssp":  # its warning names the optimizer's class, which only the ranks make (torch._dynamo)
             tried = self.cluster.run(rank_inputs.prepare, d.seed, portable(optimizer_fn), ranks=[0])[0]
-            if tried["problem"]:
-                raise DistUsageError(tried["problem"])
-            samples.say_what_ssp_trains(o.sync, tried["optimizer"])
+            if tried.problem:
+                raise DistUsageError(tried.problem)
+            samples.say_what_ssp_trains(o.sync, tried.optimizer)
         if self.pipelined and d.eval_every:  # the training sample is the build's anyway
             samples.check_evaluated_like_trained(self, d.eval_data_fn, loss_fn)
         self.history = History()
@@ -172,7 +173,7 @@ class Trainer:
     def _build_on_ranks(self) -> _Built:
         d, o = self.data, self.optimization
         prepared = self.cluster.run(rank_inputs.prepare, d.seed, portable(self.optimizer_fn))
-        said = next((p["problem"] for p in prepared if p["problem"]), None)
+        said = next((p.problem for p in prepared if p.problem), None)
         if said:  # optimizer_fn, tried on the ranks (building an optimizer here would import torch._dynamo)
             raise DistUsageError(said)
         model = self.plan.apply(self.optimizer_fn) if self.plan is not None else None
@@ -190,14 +191,14 @@ class Trainer:
                 checkpointing=self.checkpointing, straggler=self.telemetry.straggler,
                 whole_replicas=whole, pipeline=pipeline)
             infos = self.cluster.run(on_ranks.setup, spec)
-            said = inputs.failure_line(infos)
+            said = inputs.failure_line({r.rank: Failure(r.problem) for r in infos if r.problem is not None})
             if said:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
                 self.cluster.run(on_ranks.close, self.id)
                 raise DistUsageError(said)
         except BaseException:
             _close(model, self.cluster)  # the plan's model was built on the ranks: free it with the failed build
             raise
-        return _Built(model, mesh, spec, infos[0]["length"], PipelineSteps(model) if self.pipelined else None)
+        return _Built(model, mesh, spec, infos[0].length, PipelineSteps(model) if self.pipelined else None)
 
     def _unbuild(self) -> None:
         """Free what the ranks hold for this run; a later need builds it anew."""
@@ -249,14 +250,14 @@ class Trainer:
                     raise
                 results = self.cluster.run(on_ranks.records, self.id, self.step)
         for result in results:
-            self.history.add(result["records"])
+            self.history.add(result.records)
             if self.pipeline_steps is not None:
-                self.pipeline_steps.add(result["rank"], result.get("pipeline_step"))
-        self.stopped = any(r.get("stopped") for r in results) or stop.asked
+                self.pipeline_steps.add(result.rank, result.pipeline_step)
+        self.stopped = any(r.stopped for r in results) or stop.asked
         if view is not None:
             view.close(self.history, summary=not background)
         self._export()
-        failed = inputs.failure_line(results)
+        failed = inputs.failure_line({r.rank: r.failure for r in results if r.failure is not None})
         if failed:  # the first step failed on the inputs, the same on every rank
             raise DistUsageError(failed)
         policy = self.optimization.on_nonfinite
@@ -313,8 +314,8 @@ class Trainer:
         first = self._build is None
         self._built()
         try:
-            steps = self.cluster.run(on_ranks.load, self.id, path)
-            problems = [f"rank {rank}: {said}" for rank, said in enumerate(steps) if isinstance(said, str)]
+            loaded = self.cluster.run(on_ranks.load, self.id, path)
+            problems = [f"rank {rank}: {r.problem}" for rank, r in enumerate(loaded) if r.problem is not None]
         except Exception as e:  # noqa: BLE001 - what the ranks raised, said as the checkpoint's problem
             said = checkpoints.unreadable(path, e)
         else:
@@ -323,7 +324,7 @@ class Trainer:
             if first:
                 self._unbuild()
             raise DistUsageError(said) from None
-        step = steps[0]
+        step = loaded[0].step
         self.history.truncate(step)
         return self
 
@@ -372,7 +373,8 @@ def _close(model, cluster: Cluster) -> None:
 
 class _graceful_stop:
     """While fit waits: the first SIGINT (the notebook's stop button) asks every rank to stop at the next step
-    boundary (engine/training.STOP_SIGNAL); a second one interrupts as usual (frees any wait, see remote.Waiter)."""
+    boundary (training/ranks/training.STOP_SIGNAL); a second one interrupts as usual (frees any wait, see
+    remote.Waiter)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer, self.asked, self.previous = trainer, False, None

@@ -5,16 +5,16 @@ request has completed. Over shared memory a message goes into a queue of the rec
 that queue is full, the message waits in the sender's postponed queue, and only the sender's later MPI calls move
 it, one cell as the receiver frees one. A rank that arrives late finds its queues full of the others' messages; the
 others complete their calls, finish their cell and call MPI no more, and the late rank waits for good in a call every
-other rank has completed. Seen in CI: ZeRO's parameter broadcasts (posted together, then waited on), rank 0 in
-`broadcast #81` for 600 s while ranks 1-3 were idle. Reproduced with mpi4py alone on 4 ranks, 50 pairs of
-Iallgather + Ibcast (64 B to 256 KiB) posted at once, rank 0 up to 10 ms late: in 144 of 300 steps rank 0 waited
-exactly as long as its peers stayed out of MPI (60 ms); with 1024 cells instead of 64, never. One MPI call per 10 ms
-from the idle peers did not free it (each moves one postponed message); 64 calls every 20 ms did: no wait over 25 ms.
+other rank has completed. Seen in CI with ZeRO's parameter broadcasts (posted together, then waited on): rank 0
+waited in a broadcast for minutes while the other ranks were idle. Reproduced with mpi4py alone (figures:
+benchmarks/README.md): a late rank waited exactly as long as its peers stayed out of MPI, and never with a larger
+queue; one MPI call now and then from the idle peers did not free it (each moves one postponed message), a burst
+of calls on a tick did.
 
 So between cells the engine's event loop calls MPI's progress (`Iprobe`, BURST times) on a tick: every FIRST_TICK
 after a cell has ended, doubling up to LAST_TICK while the engine stays idle. A cell holds the event loop, so a tick
-that comes late says a cell ran and starts the ticks over. Idle, it costs 20 ticks a second, each a burst measured
-at 11 us (64 Iprobe, mpi4py, 2 ranks) besides the event loop's wake-up.
+that comes late says a cell ran and starts the ticks over. Idle, it costs 20 ticks a second, each a burst of BURST
+`Iprobe` calls (microseconds; figures: benchmarks/README.md) besides the event loop's wake-up.
 During a cell nothing ticks: a rank that computes for a while delays a late peer by as long (as MPI does everywhere
 without a progress thread), but never for good.
 """

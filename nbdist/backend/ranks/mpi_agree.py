@@ -11,8 +11,8 @@ everywhere: the operation's result is taken. Not: every rank raises the same lin
 brought.
 
 Cost: one non-blocking all-gather of 48 bytes per rank and call, posted just before the operation's data so that
-both travel at once (MpiProcessGroup._start), and looked at first by whoever waits: on 2 ranks the 1 KiB
-all-reduce's MPI part goes from ~1.9 us (the data alone) to ~3.9 us (bench_mpi_backend.py's breakdown). When the
+both travel at once (MpiProcessGroup._start), and looked at first by whoever waits: it about doubles a small
+all-reduce's MPI part (bench_mpi_backend.py's breakdown; figures: benchmarks/README.md). When the
 ranks disagree, the data's result is dropped (MPI never writes past a buffer's count, so no memory is harmed)
 and, if MPI could not complete it, the group is marked out of step until renewed (nbdist renews its groups after
 a failed cell).

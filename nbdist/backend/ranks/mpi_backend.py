@@ -32,12 +32,12 @@ Speed: a call posts non-blocking MPI operations on buffers made straight from th
 (waiting.py); no future or thread exists unless `get_future()` is called, and calls without `async_op` complete
 before returning. The waited-for all_reduce SUM of a contiguous tensor (dist.all_reduce(t), the common case) has
 a path of its own (_sum_now): the fewest checks, its agreement kept packed between calls, the MPI buffer made once
-per tensor memory (mpi_data.summable), a short spin on both requests before the full poll. Measured at 1 KiB on
-2 ranks, per call: raw mpi4py `Allreduce` ~4 us; torch's own `dist.all_reduce` into a Python group that does
-nothing ~4.5-7 us (the floor of any backend written in Python); the agreement beside the data ~1.7 us more than the
-data alone (a second collective); this path ~11-15 us (bench_mpi_backend.py prints the breakdown). After the
-agreement came back every rank is known to be in the call, so the rest is transfer and is polled without naps
-(waiting.TRANSFER_SECONDS): MPICH moves shared-memory data only inside a test.
+per tensor memory (mpi_data.summable), a short spin on both requests before the full poll. A small call's time
+goes to raw MPI, to torch's own `dist.all_reduce` into a Python group (the floor of any backend written in Python),
+to the agreement beside the data (a second collective) and to this path's own Python (bench_mpi_backend.py prints
+the breakdown; figures: benchmarks/README.md). After the agreement came back every rank is known to be in the
+call, so the rest is transfer and is polled without naps (waiting.TRANSFER_SECONDS): MPICH moves shared-memory data
+only inside a test.
 
 Data: tensors travel as their bytes (any dtype, bf16 included, no copy when contiguous); reductions use the MPI
 datatype of the dtype, except float16 and bfloat16, which MPI cannot reduce: those are reduced through a float32
@@ -60,6 +60,7 @@ from nbdist.backend.ranks.mpi_agree import ANY, Agreement, Planned, SumAgreement
 from nbdist.backend.ranks.mpi_moving import MovingData
 from nbdist.backend.ranks.mpi_work import MpiWork, complete_now, done
 from nbdist.backend.ranks.waiting import abandoned, quickly_complete, test_all
+from nbdist.backend.replies import Renewed
 from nbdist.debugging.ranks import recorder
 from nbdist.debugging.ranks.recorder import DONE
 from nbdist.debugging.ranks.recorder import clock as _clock
@@ -79,22 +80,22 @@ def register() -> str:
     return NAME
 
 
-def renew() -> dict:
+def renew() -> Renewed:
     """Give every mpi4py group of this rank a fresh MPI communicator. Call on EVERY rank after a rank failed while
     the engines survived: making a communicator is collective over the group's members, and every rank goes through
     its groups in the order they were made, which is the same everywhere (torch makes groups in the same order on
     every rank). Every group is renewed, not only those that gave up an operation: a message one rank sent and the
     failed rank never received would otherwise wait in the old communicator for a later receive.
 
-    Returns {"renewed": the groups' ranks, "broken": how many of them had given up an operation on this rank}: the
-    notebook says "renewed" to the user only where an operation was actually abandoned somewhere."""
+    Returns the groups' ranks and how many of them had given up an operation on this rank: the notebook says
+    "renewed" to the user only where an operation was actually abandoned somewhere."""
     renewed, broken = [], 0
     for ref in _groups:
         group = ref()
         if group is not None:
             broken += group.renew()
             renewed.append(group.global_ranks)
-    return {"renewed": renewed, "broken": broken}
+    return Renewed(renewed, broken)
 
 
 def _create(options, backend_options=None) -> MpiProcessGroup:

@@ -266,8 +266,8 @@ class _Progress:
         """Between passes: a yield while a transfer is under way (an agreed work younger than TRANSFER_SECONDS:
         MPICH moves shared-memory data only inside a test, so a nap stalls every rank's copy; seen as DDP's
         buckets completing slower than the same all-reduce waited for in the hook), else a short nap. Where ranks
-        outnumber cores, always the nap: the yielding thread took the core from its own rank's backward (DDP, 4
-        ranks on 2 cores: median step 150.7 and 147.0 ms yielding, 130.5 and 138.2 ms napping, 15 steps each)."""
+        outnumber cores, always the nap: the yielding thread took the core from its own rank's backward, and DDP's
+        steps were slower yielding than napping (figures: benchmarks/README.md)."""
         now = time.monotonic()
         transferring = any(work._agreed_at is not None and now - work._agreed_at < TRANSFER_SECONDS
                            for work in unfinished)

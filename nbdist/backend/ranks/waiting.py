@@ -9,17 +9,16 @@ way; nbdist has to restart the engines.
 
 The loop spins first (MPICH's shared memory answers within microseconds, and `Test` is what drives its progress),
 then yields the core (`sched_yield`: engines often share cores, and a peer may need this one to get to the
-collective), then sleeps briefly (a long wait should not burn a core that a computing peer needs). Measured on 2
-ranks, a 1 KiB `Iallreduce` completed this way costs the same as a blocking `Allreduce` (about 3-4 us). With more
-ranks on a host than cores it yields after every test from the start: measured with 4 ranks on 2 cores, a 64 KiB
-`Iallreduce` polled without yielding took 15.9 ms, with a yield after each test 113 us (blocking: 103 us).
+collective), then sleeps briefly (a long wait should not burn a core that a computing peer needs). A small `Iallreduce`
+completed this way costs the same as a blocking `Allreduce`. With more ranks on a host than cores it yields after
+every test from the start: polled without yielding, an oversubscribed `Iallreduce` took a hundred times as long as
+with a yield after each test, which is as fast as blocking (figures: benchmarks/README.md).
 
-Two refinements, both measured: the all-reduce hot path (mpi_backend._sum_now) first spins on its two requests
-for QUICK_TESTS tests with no clock read (calls up to ~1 MiB between ready ranks end there: each full poll costs a
-call ~1-2 us more); and a wait known to be a transfer (the operation's agreement came back, so every rank is in
-it) never naps for TRANSFER_SECONDS, because
-MPICH moves shared-memory data only inside a test (a 64 MiB all-reduce on 2 ranks ran at 0.77x raw MPI while it
-napped after 5 ms; DDP's buckets, completed by the progress thread, 772 -> 848 samples/s, 1024x10 MLP, 2 ranks).
+Two refinements, both measured (figures: benchmarks/README.md): the all-reduce hot path (mpi_backend._sum_now)
+first spins on its two requests for QUICK_TESTS tests with no clock read (calls of up to about a MiB between ready
+ranks end there, and each full poll costs a call more); and a wait known to be a transfer (the operation's
+agreement came back, so every rank is in it) never naps for TRANSFER_SECONDS, because MPICH moves shared-memory
+data only inside a test (a large all-reduce that napped ran well below raw MPI, and DDP's buckets slower).
 
 A request that is abandoned (interrupted or timed out) cannot be cancelled: MPI has no way to cancel a
 collective. Its buffers are kept alive for good (MPI may still write into them) and its process group is marked
@@ -91,7 +90,7 @@ def poll(requests: list, seconds: float, where: str | None = None, transfer: boo
 
     `transfer`: every rank of the operation is known to be in it (its agreement came back), so what is left is
     moving the data, and MPICH moves shared-memory data only inside a test: a nap between tests would stall every
-    rank's copy (measured: a 64 MiB all-reduce on 2 ranks at 0.77x raw MPI, napping after 5 ms). So no naps for
+    rank's copy (see the module's docstring; figures: benchmarks/README.md). So no naps for
     TRANSFER_SECONDS (yields only); naps after that (a peer that died mid-transfer is left to the death watch)."""
     previous = roll_call.waiting_in
     roll_call.waiting_in = where or previous

@@ -1,10 +1,10 @@
 """The controller process: ipyparallel's controller, whose heart monitor beats fast until the engines have registered.
 
 Why: ipyparallel's hub counts an engine only once its heart has answered a beat, and answers are read at the beat
-after; with the 100 ms beat the running cluster wants (cheap: ~2 % of a core while idle) that is 100-200 ms added
-to every start, after the engines are otherwise ready. A 10 ms beat costs ~8 % of a core, too much to keep, so the
-monitor beats every FAST_MS until as many hearts beat as engines were asked for, then settles to its configured
-period (tornado's PeriodicCallback reads its period at each beat).
+after; with the 100 ms beat the running cluster wants (cheap while idle) that is 100-200 ms added to every start,
+after the engines are otherwise ready. A 10 ms beat costs several times as much of a core, too much to keep
+(figures: benchmarks/README.md), so the monitor beats every FAST_MS until as many hearts beat as engines were
+asked for, then settles to its configured period (tornado's PeriodicCallback reads its period at each beat).
 
     python -m nbdist.cluster.hosts.lifeline KERNEL_PID nbdist.cluster.launching.controller ENGINES [ipcontroller arguments]
 """

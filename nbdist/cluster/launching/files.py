@@ -52,7 +52,8 @@ def new_profile_dir() -> str:
 
 def has_user_config(path: str) -> bool:
     """Whether the user's ipyparallel settings were copied into this profile directory: only then is it worth
-    ipyparallel's loading it (a profile application, configuration files searched: ~0.1 s of every start)."""
+    ipyparallel's loading it (a profile application, configuration files searched: a noticeable part of every start;
+    figures: benchmarks/README.md)."""
     return any(glob.glob(os.path.join(path, name + ".*")) for name in USER_CONFIG_FILES)
 
 

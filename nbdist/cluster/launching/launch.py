@@ -331,8 +331,9 @@ def stop_processes(cluster: ipp.Cluster, warm_process: warm.WarmProcess | None =
     ipyparallel starts each launcher in a new session, so each launcher pid is also a process group holding
     mpiexec, its proxies and the ranks (or the controller and its helper). The ranks go first: mpiexec then sees
     its job end and exits by itself within milliseconds, tidying its files. Then one SIGKILL per group takes
-    whatever is left. Engines hold no state worth a graceful exit (a SIGTERM costs ~0.8 s per stop here), and on
-    other hosts Hydra's proxies end their ranks when mpiexec's connection drops.
+    whatever is left. Engines hold no state worth a graceful exit (a SIGTERM costs most of a second per stop;
+    figures: benchmarks/README.md), and on other hosts Hydra's proxies end their ranks when mpiexec's connection
+    drops.
     """
     groups = _process_groups(cluster)
     members = processes(cluster, warm_process)

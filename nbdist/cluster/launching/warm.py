@@ -33,8 +33,9 @@ WARM_ENV = "NBDIST_WARM"  # "0": launch fresh ranks even where they could be for
 STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks", "warm_stub.py")
 
 # What a notebook's next cells need in the kernel (a Trainer, a plan, its dashboard in a kernel): imported while the
-# start waits for the engines, one module between two looks, instead of after it (about 0.1 s, measured); only in a
-# kernel that has torch already (they import it: 1-3 s, not for a kernel that may never need it)
+# start waits for the engines, one module between two looks, instead of after it; only in a kernel that has torch
+# already (they import it, which takes seconds: not for a kernel that may never need it; figures:
+# benchmarks/README.md)
 LOADED_WHILE_STARTING = ("nbdist.training.trainer", "nbdist.sharding.plan")
 LOADED_IN_A_KERNEL = ("nbdist.training.dashboard",)  # its widgets and plotly: only where it can be shown
 

@@ -1,8 +1,8 @@
 """Which engine died, said within a second of its death (kernel side).
 
-Why: one MPI rank dying (killed, out of memory) ends the whole MPICH job: Hydra kills the other ranks about 20 ms
-later, and ipyparallel's launcher notices the job is over only seconds after that (its state was still "running"
-4 s after a kill -9, measured here). A user needs the rank that died, not "every engine died". Two witnesses:
+Why: one MPI rank dying (killed, out of memory) ends the whole MPICH job: Hydra kills the other ranks
+milliseconds later, and ipyparallel's launcher notices the job is over only seconds after that (figures:
+benchmarks/README.md). A user needs the rank that died, not "every engine died". Two witnesses:
 - the engines' processes on this host, polled (a killed process is gone, or a zombie until its parent reaps it);
   the rank seen dead first is the one that died, the others follow it;
 - Hydra's own report in mpiexec's output ("BAD TERMINATION ... PID <pid> RUNNING AT <host> ... EXIT CODE: 9"),

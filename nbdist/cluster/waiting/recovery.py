@@ -11,8 +11,9 @@ from nbdist.cluster.waiting.deaths import DeathWatch
 from nbdist.cluster.waiting.ranks import gpu_sync
 
 if TYPE_CHECKING:
-    from nbdist.cluster.api import Cluster
-    from nbdist.cluster.launching.launch import Launched
+    import ipyparallel as ipp
+
+    from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
 GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
 
@@ -45,23 +46,37 @@ class WaitedOn(Protocol):
         """The hang view: what each rank waits in (asked before stuck ranks are freed); None where none can be."""
 
 
+class ClusterFace(Protocol):
+    """What Recovery uses of a Cluster: its public face (api.Cluster is one)."""
+
+    world_size: int
+    devices: list[str]
+    generation: int | None
+
+    def restart(self) -> Any: ...
+
+    def signal_rank(self, rank: int, number: int) -> bool: ...
+
+    def why(self) -> Any: ...
+
+
 class Recovery:
     """A running nbdist Cluster's answers to its waiter."""
 
-    def __init__(self, cluster: Cluster, launched: Launched, rows: list[dict], view: Callable[[list[int]], Any],
-                 end: Callable[[], None]):
-        self.cluster, self.launched, self.rows, self.view, self.end = cluster, launched, rows, view, end
-        engines = next(iter(launched.cluster.engines.values()), None)
-        server = launched.lifeline
-        self.watch = DeathWatch(self.pids(), getattr(engines, "output_file", None),
-                                lost=server.lost if server else None,
+    def __init__(self, cluster: ClusterFace, engines: ipp.Cluster, lifeline: LifelineServer | None, rows: list[dict],
+                 view: Callable[[list[int]], Any], end: Callable[[], None]):
+        """`engines`: the ipyparallel cluster the launch made; `rows`: each rank's status row from its start."""
+        self.cluster, self.engines, self.rows, self.view, self.end = cluster, engines, rows, view, end
+        launcher = next(iter(engines.engines.values()), None)
+        self.watch = DeathWatch(self.pids(), getattr(launcher, "output_file", None),
+                                lost=lifeline.lost if lifeline else None,
                                 launched={row["rank"]: row.get("launched_pid") or row["pid"] for row in rows})
 
     def pids(self) -> dict[int, tuple[str, int]]:
         return {row["rank"]: (row["host"], row["pid"]) for row in self.rows}
 
     def alive(self) -> bool:
-        return all(es.state == "running" for es in self.launched.cluster.engines.values())
+        return all(es.state == "running" for es in self.engines.engines.values())
 
     def death(self) -> str | None:
         return self.watch.check()
@@ -101,8 +116,8 @@ class Recovery:
             renewed = self.view(ranks).apply_async(mpi_backend.renew).get(timeout=60)
         except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
             return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
-        count = max((len(r["renewed"]) for r in renewed), default=0)
-        if not any(r["broken"] for r in renewed):
+        count = max((len(r.groups) for r in renewed), default=0)
+        if not any(r.broken for r in renewed):
             return ""  # no operation was given up: renewed quietly (a stray message may have been left behind)
         return f"their {count} MPI group(s) renewed, engine variables kept"
 

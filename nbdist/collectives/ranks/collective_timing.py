@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nbdist.cluster.meshes.ranks import groups
 from nbdist.collectives.ops import ELEMENT_BYTES, GLOO_REDUCE_SCATTER_NOTE, ROOT
+from nbdist.collectives.replies import MpiWorld, Timed
 from nbdist.runtime.ranks.compat import all_gather_single, reduce_scatter_single
 from nbdist.runtime.ranks.devices import backend_for
 
@@ -23,20 +24,20 @@ MAX_ITERS = 1_000_000
 CALIBRATE_SECONDS = 0.005  # a calibration loop shorter than this is too close to the clock to trust
 
 
-def mpi_world() -> dict:
+def mpi_world() -> MpiWorld:
     """Whether this engine can use MPI for the benchmark: its MPI rank and size beside torch.distributed's."""
     if not dist.is_initialized():
-        return {"problem": "torch.distributed is not initialised on this engine"}
-    world = {"torch_rank": dist.get_rank(), "torch_size": dist.get_world_size()}
+        return MpiWorld(problem="torch.distributed is not initialised on this engine")
+    rank, size = dist.get_rank(), dist.get_world_size()
     try:
         from mpi4py import MPI
     except ImportError as e:
-        return {**world, "problem": f"mpi4py cannot be imported on the engines ({e})"}
-    return {**world, "mpi_rank": MPI.COMM_WORLD.Get_rank(), "mpi_size": MPI.COMM_WORLD.Get_size()}
+        return MpiWorld(rank, size, problem=f"mpi4py cannot be imported on the engines ({e})")
+    return MpiWorld(rank, size, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
 
 
 def measure(op: str, via: str, size: int, iters: int | None, warmup: int, check: bool, target_seconds: float,
-            members: int | None = None) -> dict | None:
+            members: int | None = None) -> Timed | None:
     """Check (optional), warm up, calibrate and time `op` through `via` on S = `size` bytes among ranks
     0..members-1 (default: all); seconds per op. Call on every rank; None on a rank outside them."""
     members = members or dist.get_world_size()
@@ -48,22 +49,21 @@ def measure(op: str, via: str, size: int, iters: int | None, warmup: int, check:
                  target_seconds)
 
 
-def _time(bench: "Collective", iters: int | None, warmup: int, check: bool, target_seconds: float) -> dict:
+def _time(bench: "Collective", iters: int | None, warmup: int, check: bool, target_seconds: float) -> Timed:
     """This rank's report for one collective: checked (optional), warmed up, calibrated, timed."""
-    report = {"rank": bench.rank, "backend": bench.backend, "note": bench.note}
     try:  # a backend without this op says so on the first call, on every rank alike
-        error = _first_call(bench, check)
+        wrong = _first_call(bench, check)
     except RuntimeError as e:
         if "support" not in str(e):
             raise
-        return {**report, "unsupported": True, "note": f"{bench.backend}: {str(e).splitlines()[0]}"}
+        return Timed(bench.rank, bench.backend, f"{bench.backend}: {str(e).splitlines()[0]}", unsupported=True)
     bench.zero()
     for _ in range(warmup):
         bench.call()
     count = iters or _calibrate(bench, target_seconds)
     bench.barrier()
     seconds = bench.timed(count) / count
-    return {**report, "seconds": seconds, "iters": count, "error": error}
+    return Timed(bench.rank, bench.backend, bench.note, seconds, count, wrong)
 
 
 def _first_call(bench: "Collective", check: bool) -> str | None:

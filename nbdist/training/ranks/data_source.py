@@ -21,6 +21,7 @@ import torch
 from nbdist import data as datasets
 from nbdist.errors import DistUsageError
 from nbdist.training.ranks.inputs import InputError, describe
+from nbdist.training.replies import Sample
 
 
 class DataSource:
@@ -119,12 +120,11 @@ def _check_sample(sample, label: str) -> None:
 
 
 def sample(data_fn: bytes, label: str = "data_fn", loss_given: bool = True, samples: int = 2,
-           batch_size: int | None = None) -> dict:
-    """The first `samples` samples of the data set as the loop makes a batch of them ({"example": (inputs,
-    targets)}: what the kernel profiles a model with and sizes a pipeline's messages by) and, for (input, target)
-    pairs, the shape and dtype of one sample's input and target ({"x": (shape, dtype), "y": ...}); or {"error":
-    line} where the data set is not one the loop can read, or (given `batch_size`) cannot make that global batch
-    of: what the ranks' set-up would say, said by the read the kernel makes anyway."""
+           batch_size: int | None = None) -> Sample:
+    """The first `samples` samples of the data set as the loop makes a batch of them (`example`: (inputs,
+    targets), what the kernel profiles a model with and sizes a pipeline's messages by); or the line (`problem`)
+    where the data set is not one the loop can read, or (given `batch_size`) cannot make that global batch of: what
+    the ranks' set-up would say, said by the read the kernel makes anyway."""
     from nbdist.models import batches
     from nbdist.training.ranks.inputs import named
     from nbdist.wire import restore
@@ -138,8 +138,5 @@ def sample(data_fn: bytes, label: str = "data_fn", loss_given: bool = True, samp
         collated = source.share(0, min(samples, source.length or samples), 0, 1, 0)
         x, y = batches.inputs_and_targets(collated, loss_given, label)
     except DistUsageError as e:
-        return {"error": str(e)}
-    said = {"example": (x, y)}
-    if isinstance(x, torch.Tensor) and y is not None:
-        said.update(x=(tuple(x.shape[1:]), x.dtype), y=(tuple(y.shape[1:]), y.dtype))
-    return said
+        return Sample(None, str(e))
+    return Sample((x, y))

@@ -15,6 +15,7 @@ from torch import nn
 
 from nbdist.errors import DistUsageError
 from nbdist.models.inputs import first_layer, optimizer_problem, sample_mismatch  # noqa: F401 - the loop's
+from nbdist.training.replies import Prepared
 
 ABOUT_INPUTS = (RuntimeError, TypeError, ValueError, IndexError)  # what torch raises on a dtype, shape or device that
 # does not fit (a KeyError, AttributeError or NameError is more likely a bug in the user's code: its traceback stays)
@@ -120,10 +121,10 @@ def finite_weights(model: nn.Module) -> bool:
         return all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
 
 
-def prepare(seed: int, optimizer_fn: bytes) -> dict:
+def prepare(seed: int, optimizer_fn: bytes) -> Prepared:
     """Before the model is built: every rank seeded alike, and the optimizer function tried on a stand-in parameter
-    (inputs.optimizer_problem): {"problem": the line that says what is wrong with it, or None, "optimizer": the
-    class it makes (what the replica modes' warnings name)}."""
+    (inputs.optimizer_problem): the line that says what is wrong with it, or None, and the class it makes (what
+    the replica modes' warnings name)."""
     from nbdist.wire import restore
 
     seed_everything(seed)
@@ -134,7 +135,7 @@ def prepare(seed: int, optimizer_fn: bytes) -> dict:
             kind = type(make([torch.nn.Parameter(torch.zeros(1))])).__name__
         except Exception:  # noqa: BLE001 - the real build says it, with the model's parameters
             kind = None
-    return {"problem": problem, "optimizer": kind}
+    return Prepared(problem, kind)
 
 
 def seed_everything(seed: int) -> None:

@@ -171,8 +171,8 @@ class Synchronizer:
 
         A zero-byte barrier is posted with the all-reduce and completed first: the time until every replica has
         arrived is idle (waiting for the slowest), the rest is the all-reduce's own. Both are posted at once, so
-        MPI progresses them together and the barrier adds no round of its own (measured with 4 engines on 2 busy
-        cores, a barrier completed before posting the all-reduce added 2-4 ms per exchange)."""
+        MPI progresses them together and the barrier adds no round of its own, as a barrier completed before
+        posting the all-reduce did (figures: benchmarks/README.md)."""
         from mpi4py import MPI
 
         barrier = self.comm.Ibarrier()

@@ -1,6 +1,6 @@
 """How data-parallel replicas agree (runs ON the engines): synchronous all-reduce, local SGD, EASGD, SSP.
 
-The Trainer (issue 12) runs one replica per rank of a data-parallel communicator and plugs one of these in:
+The Trainer runs one replica per rank of a data-parallel communicator and plugs one of these in:
 `make(kind, model, optimizer, comm, options)` gives a `Synchronizer` whose `step` takes this replica's share of a
 batch, computes its gradients and then does what the strategy says about the other replicas:
 

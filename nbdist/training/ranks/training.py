@@ -1,7 +1,7 @@
 """The Trainer's loop, ON the ranks: batches made here, steps run back to back, the notebook only watches.
 
-Why on the ranks: a step driven from the notebook pays a round trip (about 9 ms here) and ships every batch; a
-loop here pays neither. Each rank reads the global batch of step k from its own copy of the data set
+Why on the ranks: a step driven from the notebook pays a round trip (figures: benchmarks/README.md) and ships
+every batch; a loop here pays neither. Each rank reads the global batch of step k from its own copy of the data set
 (nbdist.data.batch_indices: the same on any engine count or plan) and keeps its replica's share. What a step runs
 (a plan's sharded model, a pipeline's stages, a replica and its synchroniser) is training/ranks/runners.py.
 
@@ -39,6 +39,7 @@ from nbdist.training.ranks import inputs, loss_scaling, runners, telemetry
 from nbdist.training.ranks.clipping import clip_gradients
 from nbdist.training.ranks.data_source import DataSource
 from nbdist.training.ranks.inputs import seed_everything  # noqa: F401 - the tests' and the labs' name for it
+from nbdist.training.replies import Failure, Fitted, Loaded, NonFinite, SetUp
 from nbdist.wire import restore
 
 KIND = "trainer"
@@ -84,7 +85,7 @@ class RankTrainer:
         self.records: list[dict] = []
         self.stop_requested = False
         self.proven = False  # a step of this trainer ran: a failure now is no longer the inputs' first step
-        self.failure: dict | None = None  # this rank's first step failed on the inputs: {"line", "traceback"}
+        self.failure: Failure | None = None  # this rank's first step failed on the inputs
         self.failed_elsewhere = False  # another rank's did (the boundary said so)
         self.nonfinite: dict[int, float] = {}  # step -> this rank's non-finite loss, until the boundary agrees on it
         self.nonfinite_seen: dict | None = None  # this fit's first agreed non-finite step, and how many followed
@@ -239,7 +240,7 @@ class RankTrainer:
         the line. A rank left behind in a collective would never come: after a short wait this one raises it."""
         model = self.runner.model
         line = inputs.first_step_line(error, self.loss_fn, x, y, self.data_label, model)
-        self.failure = {"line": line, "traceback": inputs.traceback_text(error)}
+        self.failure = Failure(line, inputs.traceback_text(error))
         del error  # its traceback holds the step's tensors
         self._release_gradients()
         try:
@@ -273,7 +274,7 @@ class RankTrainer:
         self._agree(agreed, sum(losses) / len(losses) if losses else None)
         return agreed["loss"]
 
-    def fit(self, steps: int, publish_every: float | None) -> dict:
+    def fit(self, steps: int, publish_every: float | None) -> Fitted:
         """Train `steps` steps (fewer if stopped); return this rank's records of them."""
         from nbdist.training.ranks import checkpoint
 
@@ -308,19 +309,18 @@ class RankTrainer:
             if self.stop_requested:
                 _STOP["asked"] = False  # answered: every rank stopped at this boundary
         publish(force=True)
-        return {"rank": self.rank, "records": self.records[first:], "step": self.step,
-                "stopped": self.stop_requested, "failure": self.failure, "nonfinite": self._nonfinite_report(),
-                "pipeline_step": self.runner.last_step}
+        return Fitted(self.rank, self.records[first:], self.step, self.runner.last_step, self.stop_requested,
+                      self.failure, self._nonfinite_report())
 
     def _halted(self) -> bool:
         return self.nonfinite_seen is not None and self.spec.optimization.on_nonfinite == "stop"
 
-    def _nonfinite_report(self) -> dict | None:
+    def _nonfinite_report(self) -> NonFinite | None:
         """This fit's first non-finite step as this rank saw it, and whether the weights it holds are finite now."""
         seen = self.nonfinite_seen
         if seen is None or self.spec.optimization.on_nonfinite == "ignore":
             return None
-        return {**seen, "weights_finite": inputs.finite_weights(self.runner.model), "lag": self.lag}
+        return NonFinite(**seen, weights_finite=inputs.finite_weights(self.runner.model), lag=self.lag)
 
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.step % every == 0
@@ -328,7 +328,7 @@ class RankTrainer:
 
 def _agreement_lag(runner) -> int:
     """How many steps the replicas may run apart before the step boundary makes them wait (0: every step): the
-    synchroniser's own bound (engine/sync_base.Synchronizer.lag); the plans meet every step."""
+    synchroniser's own bound (training/ranks/sync_base.Synchronizer.lag); the plans meet every step."""
     sync = getattr(runner, "sync", None)
     return sync.lag if sync is not None else 0
 
@@ -351,9 +351,9 @@ def install_stop_handler() -> None:
 # -- what the notebook calls ------------------------------------------------------------------------------------
 
 
-def setup(spec) -> dict:
-    """This rank's side of a Trainer, registered; {"error": line} instead where its inputs do not fit (the data
-    sets, the replica's model and optimizer, a sample against the model's first layer): the same on every rank."""
+def setup(spec) -> SetUp:
+    """This rank's side of a Trainer, registered; where its inputs do not fit (the data sets, the replica's model
+    and optimizer, a sample against the model's first layer), the line that says why, the same on every rank."""
     from nbdist.cluster.launching.ranks.boot import boot
 
     install_stop_handler()
@@ -369,12 +369,12 @@ def setup(spec) -> dict:
     except inputs.InputError as e:
         if trainer is not None and getattr(trainer.runner, "sync", None) is not None:
             trainer.runner.sync.close()
-        return {"rank": boot().rank, "error": str(e)}
+        return SetUp(boot().rank, problem=str(e))
     registry.put(KIND, spec.name, trainer)
-    return {"rank": trainer.rank, "length": trainer.dataset.length}
+    return SetUp(trainer.rank, trainer.dataset.length)
 
 
-def fit(name: str, steps: int, publish_every: float | None) -> dict:
+def fit(name: str, steps: int, publish_every: float | None) -> Fitted:
     return registry.get(KIND, name).fit(steps, publish_every)
 
 
@@ -383,10 +383,11 @@ def finish(name: str) -> None:
     registry.get(KIND, name).runner.finish()
 
 
-def records(name: str, since: int) -> dict:
+def records(name: str, since: int) -> Fitted:
+    """This rank's records from step `since` on (what a fit returns, read after an interrupted one)."""
     trainer = registry.get(KIND, name)
-    return {"rank": trainer.rank, "records": [r for r in trainer.records if r["step"] >= since],
-            "step": trainer.step, "pipeline_step": trainer.runner.last_step}
+    return Fitted(trainer.rank, [r for r in trainer.records if r["step"] >= since], trainer.step,
+                  trainer.runner.last_step)
 
 
 def tensors(name: str) -> dict | None:
@@ -413,15 +414,15 @@ def save(name: str, directory: str, asynchronous: bool = False) -> str:
     return path
 
 
-def load(name: str, path: str) -> int | str:
-    """The checkpoint's step once loaded; what made it unreadable as text, for the kernel to say in one line (a
-    raised error would also be shown as each rank's failure)."""
+def load(name: str, path: str) -> Loaded:
+    """The checkpoint's step once loaded; or what made it unreadable, for the kernel to say in one line (a raised
+    error would also be shown as each rank's failure)."""
     from nbdist.training.ranks import checkpoint
 
     try:
-        return checkpoint.load(registry.get(KIND, name), path)
+        return Loaded(checkpoint.load(registry.get(KIND, name), path))
     except checkpoint.UnreadableCheckpoint as e:
-        return f"{type(e).__name__}: {e}"
+        return Loaded(None, f"{type(e).__name__}: {e}")
 
 
 def close(name: str) -> None:

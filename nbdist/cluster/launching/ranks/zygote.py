@@ -121,9 +121,10 @@ def _clear_singletons() -> None:
 
 def _preload() -> None:
     """Import what every rank imports (torch, the engine) once, here, before any fork. And torch._dynamo, which
-    DDP's constructor imports (about 1 s), when the kernel had torch already: then it fits in the time fresh ranks
-    would have spent importing torch, and the first training step finds it loaded; in a kernel without torch,
-    torch itself takes that time, and the ranks import torch._dynamo if and when they need it.
+    DDP's constructor imports (slowly; figures: benchmarks/README.md), when the kernel had torch already: then it
+    fits in the time fresh ranks would have spent importing torch, and the first training step finds it loaded; in
+    a kernel without torch, torch itself takes that time, and the ranks import torch._dynamo if and when they need
+    it.
 
     MPI is not initialised here (a module importing mpi4py's MPI would make this process a world of one, and every
     rank with it): each rank initialises it, with the PMI socket Hydra gave its stand-in (_join_mpi)."""
@@ -309,8 +310,8 @@ def _threads_as_launched() -> None:
 
 def _settings_as_launched() -> None:
     """Modules the kernel had imported read their settings from its environment, not Hydra's: read them again (the
-    MPI backend's wait spins without yielding where ranks outnumber cores otherwise: 4 ranks on 2 cores then took
-    2.6x as long per 1 KiB all-reduce)."""
+    MPI backend's wait spins without yielding where ranks outnumber cores otherwise, and a small all-reduce takes
+    several times as long; figures: benchmarks/README.md)."""
     waiting = sys.modules.get("nbdist.backend.ranks.waiting")
     if waiting is not None:
         waiting.read_environment()

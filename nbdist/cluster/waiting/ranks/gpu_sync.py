@@ -15,9 +15,9 @@ def synchronise(seconds: float) -> bool:
     """True when this rank's queued GPU work completed within `seconds` (always True on a CPU rank)."""
     import torch
 
-    from nbdist.cluster.launching.ranks.boot import boot
+    from nbdist.runtime.ranks.rank import this_rank
 
-    device = device_to_synchronise(boot().device)
+    device = device_to_synchronise(this_rank().device)
     if device is None:
         return True
     done = threading.Event()
