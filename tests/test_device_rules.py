@@ -25,7 +25,7 @@ from nbdist.cluster.launching.ranks import boot as booting
 from nbdist.cluster.waiting.ranks import gpu_sync
 from nbdist.cost import hardware
 from nbdist.errors import DistUsageError
-from nbdist.runtime.ranks import compat
+from nbdist.runtime.ranks import compat, rank
 from nbdist.runtime.ranks.devices import nvml_device
 from nbdist.training.ranks import telemetry
 from nbdist.viz.training import trace_values, training_figure
@@ -42,8 +42,10 @@ def test_the_sync_thread_synchronises_the_device_the_rank_was_bound_to():
 
 
 def booted_on(monkeypatch, device: str) -> None:
+    """This process seen as a rank booted on `device` (what boot registers and this_rank() reads)."""
     info = booting.RankInfo(0, 1, 0, "h", 1, device, "cpu:gloo,cuda:nccl", 0.0)
     monkeypatch.setattr(booting, "boot", lambda: info)
+    monkeypatch.setattr(rank, "this_rank", lambda: info)
 
 
 def test_synchronise_names_the_ranks_device_in_its_thread(monkeypatch):
