@@ -19,6 +19,7 @@ Each cluster runs in its own IPython profile directory, removed at stop (cluster
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -108,7 +109,8 @@ def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.Lifel
 def _kernel_import_paths() -> list[str]:
     """The kernel's own import path (minus the interpreter's), so engines can unpickle functions from the same
     modules the notebook imports: a helper module beside the notebook, a source checkout, a test folder."""
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above nbdist/
+    package = os.path.dirname(os.path.abspath(importlib.util.find_spec("nbdist").origin))
+    package_root = os.path.dirname(package)  # above nbdist/
     interpreter = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     kernel_paths = [os.path.abspath(p or ".") for p in sys.path]
     paths = [package_root] + [p for p in kernel_paths if not p.startswith(interpreter)]

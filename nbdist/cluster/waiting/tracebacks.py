@@ -11,6 +11,7 @@ Several ranks failing the same way (the same folded traceback) are said once, na
 """
 from __future__ import annotations
 
+import importlib.util
 import linecache
 import os
 import re
@@ -52,7 +53,7 @@ def hidden_note(hidden: Counter) -> str:
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FRAME_HEADER = re.compile(r"^(?:File (?P<path>.+?):(?P<line>\d+)\b(?:, in (?P<name>[^(\s]+))?|Cell In\[|Input In \[)")
-NBDIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above cluster/
+NBDIST_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("nbdist").origin))  # the package's folder
 # An installed library's file (site-packages/NAME/...), or the standard library's (lib/python3.X/NAME...)
 LIBRARY = re.compile(r"[\\/]lib(?:64)?[\\/]python3[\d.]*[\\/](?:(?P<installed>(?:site|dist)-packages)[\\/])?"
                      r"(?P<name>[^\\/.]+)")
