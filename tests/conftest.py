@@ -37,10 +37,12 @@ import ast
 import functools
 import importlib
 import inspect
+import io
 import re
 import sys
 import textwrap
 import threading
+import tokenize
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -141,11 +143,23 @@ def kernel():
 _scanning: set[int] = set()
 
 
-def _of_tests_folder(obj) -> bool:
+def _source_file(obj) -> str | None:
+    code = getattr(inspect.unwrap(obj), "__code__", None)
+    if code is not None:
+        return code.co_filename
     try:
-        return Path(inspect.getsourcefile(obj)).resolve().parent == TESTS
+        return inspect.getsourcefile(obj)
     except (TypeError, OSError):
-        return False
+        return None
+
+
+@functools.cache
+def _in_tests_folder(filename: str | None) -> bool:
+    return filename is not None and Path(filename).resolve().parent == TESTS
+
+
+def _of_tests_folder(obj) -> bool:
+    return _in_tests_folder(_source_file(obj))
 
 
 def _value_text(value) -> str:
@@ -160,6 +174,44 @@ def _value_text(value) -> str:
     return ""
 
 
+def _lines_without_comments(source: str) -> list[str]:
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            lines[row - 1] = lines[row - 1][:col]
+    return lines
+
+
+@functools.cache
+def _file_code(filename: str) -> tuple[list[str], dict[int, ast.AST]]:
+    """A test file's lines without their comments (what a test says of itself in a comment does not mark it), and
+    its functions and classes by the line they start on (their first decorator's, as a function's code says)."""
+    source = Path(filename).read_text()
+    lines = _lines_without_comments(source)
+    starts = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            starts[min([node.lineno] + [d.lineno for d in node.decorator_list])] = node
+    return lines, starts
+
+
+def _definition(obj) -> tuple[ast.AST, str] | None:
+    """The syntax tree of `obj` and its text from the `def` or `class` line on (no decorators, no comments)."""
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        lines, starts = _file_code(code.co_filename)
+        node = starts.get(code.co_firstlineno)
+        if node is not None:
+            return node, "\n".join(lines[node.lineno - 1:node.end_lineno])
+    try:
+        source = textwrap.dedent(inspect.getsource(obj))
+        node = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return node, "\n".join(_lines_without_comments(source)[node.lineno - 1:])
+
+
 @functools.cache
 def _code_text(obj) -> str:
     """The source of `obj` (a function or class of the tests folder) without its decorators, followed by the text
@@ -170,14 +222,12 @@ def _code_text(obj) -> str:
         return ""
     _scanning.add(id(obj))
     try:
-        try:
-            node = ast.parse(textwrap.dedent(inspect.getsource(obj))).body[0]
-        except (OSError, TypeError, SyntaxError, IndexError):
+        found = _definition(obj)
+        if found is None:
             return ""
-        if hasattr(node, "decorator_list"):
-            node.decorator_list = []
+        node, text = found
         names = vars(sys.modules[obj.__module__]) if obj.__module__ in sys.modules else {}
-        parts = [ast.unparse(node)]
+        parts = [text]
         for sub in ast.walk(node):
             if isinstance(sub, ast.Name) and sub.id in names:
                 parts.append(_value_text(names[sub.id]))
@@ -197,6 +247,12 @@ def _asked_by_name(text: str) -> set[str]:
     return asked
 
 
+@functools.cache
+def _marked_by(text: str) -> frozenset[str]:
+    return frozenset(name for name, pattern in (("cluster", _CLUSTER), ("browser", _BROWSER), ("notebook", _NOTEBOOK))
+                     if pattern.search(text))
+
+
 def _needs(item) -> tuple[set[str], set[int]]:
     """(markers from the code of the test and of its fixtures, sizes of the shared clusters it uses)."""
     manager = item.session._fixturemanager
@@ -213,10 +269,8 @@ def _needs(item) -> tuple[set[str], set[int]]:
                 text = _code_text(definition.func)
                 texts.append(text)
                 todo += [asked for asked in _asked_by_name(text) | set(definition.argnames) if asked not in seen]
-    text = "\n".join(texts)
     sizes = {SHARED_FIXTURES[name] for name in seen if name in SHARED_FIXTURES}
-    needs = {name for name, pattern in (("cluster", _CLUSTER), ("browser", _BROWSER), ("notebook", _NOTEBOOK))
-             if pattern.search(text)}
+    needs = set().union(*(_marked_by(part) for part in texts))
     return needs | ({"cluster"} if sizes else set()), sizes
 
 

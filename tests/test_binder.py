@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
 
 REPO = Path(__file__).resolve().parent.parent
 BINDER = REPO / "binder"
@@ -153,6 +152,8 @@ def test_binder_environment_runs_the_quickstart(tmp_path):
     run([str(venv / "bin" / "jupyter"), "nbconvert", "--to", "notebook", "--execute", str(repo / "notebooks" /
          QUICKSTART.name), "--output", str(executed), f"--ExecutePreprocessor.timeout={RUN_TIMEOUT_S}",
          "--ExecutePreprocessor.kernel_name=python3"], repo / "notebooks", env, RUN_TIMEOUT_S)
+    import nbformat
+
     nb = nbformat.read(executed, as_version=4)
     errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from textwrap import dedent
 
-import nbformat
 import psutil
 import pytest
 from browser import (
@@ -305,6 +304,8 @@ def _click(notebook: LabNotebook, output, label: str, expect_tick) -> Click:
 def stepper(lab, browser) -> StepperRun:
     """The trial of the issue, in a notebook written here."""
     started = time.monotonic()
+    import nbformat
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in STEPPER_CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "stepper_trial.ipynb")
@@ -483,6 +484,8 @@ def planner_trial(lab, browser) -> PlannerRun:
     and a context-parallel plan; after each move, what it shows once the kernel has answered."""
     started = time.monotonic()
     code = "from nbdist.planner.widget import ClusterPlannerView\nview = ClusterPlannerView()\nview"
+    import nbformat
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "planner_trial.ipynb")
@@ -689,6 +692,8 @@ def _explorer_seen(notebook: LabNotebook, output) -> dict:
 def views(lab, browser) -> ViewsRun:
     """The plan explorer shown, redrawn by a control, then the cluster stopped under it and a new tp chosen;
     a 10-step fit's dashboard between the two."""
+    import nbformat
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in VIEWS_CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "views_trial.ipynb")

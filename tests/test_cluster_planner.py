@@ -236,6 +236,7 @@ def test_table1_every_row_within_15_percent_and_fits(table1):
         assert row["memory"] <= 80 * 2**30
 
 
+@pytest.mark.slow
 def test_table1_trend_is_right(table1):
     """Which runs are faster: the prediction orders at least 90 % of the pairs the paper separates by > 2 TFLOP/s."""
     agreement = published.order_agreement([r["predicted"] for r in table1], [r["published"] for r in table1])

@@ -12,8 +12,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
+from notebook_files import read_cells
 
 from nbdist import planner
 from nbdist.collectives.costmodel import fit_alpha_beta
@@ -28,7 +28,7 @@ MODEL_145B = dict(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200)  # M
 
 
 def cells(path: Path) -> list:
-    return nbformat.read(path, as_version=4).cells
+    return read_cells(path)
 
 
 def answer_key(path: Path, grade_id: str):

@@ -18,15 +18,15 @@ import ast
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
+from notebook_files import read_cells
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 PREDICTION = re.compile(r"^(\w+) = \.\.\.  # your prediction: ", re.M)
 
 
 def cells(lab: Path) -> list:
-    return nbformat.read(lab, as_version=4).cells
+    return read_cells(lab)
 
 
 def grading(cell) -> dict:

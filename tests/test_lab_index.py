@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import nbformat
+from notebook_files import read_cells
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 INDEX = NOTEBOOKS / "README.md"
@@ -20,8 +20,7 @@ def _table(title: str) -> list[list[str]]:
 
 
 def _headings(lab: str) -> set[str]:
-    nb = nbformat.read(NOTEBOOKS / lab, as_version=4)
-    return {line.lstrip("#").strip() for cell in nb.cells if cell.cell_type == "markdown"
+    return {line.lstrip("#").strip() for cell in read_cells(NOTEBOOKS / lab) if cell.cell_type == "markdown"
             for line in cell.source.splitlines() if line.startswith("#")}
 
 
@@ -59,7 +58,7 @@ def test_the_teachers_page_lists_every_graded_exercise_with_its_points():
     listed = dict(re.findall(r"^\|[^|]*\| `([\w-]+)` \| (\d+) \|", page, flags=re.MULTILINE))
     graded = {}
     for path in NOTEBOOKS.glob("*.ipynb"):
-        for cell in nbformat.read(path, as_version=4).cells:
+        for cell in read_cells(path):
             meta = cell.metadata.get("nbgrader", {})
             if meta.get("grade") and meta.get("solution") is False:
                 graded[meta["grade_id"].removesuffix("-test")] = str(meta["points"])

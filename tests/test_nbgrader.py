@@ -25,10 +25,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
 import pytest
+from notebook_files import read_cells
 from test_notebooks import _hosts_for
+
+if TYPE_CHECKING:
+    import nbformat
 
 REPO = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900  # a lab cell may start an MPI cluster or time several pipeline steps: minutes, not nbgrader's 30 s
@@ -55,8 +59,7 @@ def graded_labs() -> list[Path]:
     """The notebooks with at least one nbgrader solution or graded cell."""
     found = []
     for path in sorted((REPO / "notebooks").glob("*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        if any(is_solution(c) or nbgrader_meta(c).get("grade") for c in nb.cells):
+        if any(is_solution(c) or nbgrader_meta(c).get("grade") for c in read_cells(path)):
             found.append(path)
     return found
 
@@ -126,6 +129,8 @@ def submit_and_autograde(course: Course, lab: Path, student: str, notebook: Path
     with _hosts_for(lab):
         result = course.api.autograde(lab.stem, student)
     assert result["success"], f"nbgrader autograde {lab.stem} for {student} failed:\n{result['log'][-3000:]}"
+    import nbformat  # where it is used: the fast tests here do without its second-long import (notebook_files.py)
+
     return nbformat.read(course.path("autograded", lab, student), as_version=4)
 
 
@@ -149,7 +154,7 @@ def test_some_lab_has_graded_exercises():
 def test_grade_ids_are_unique_across_labs():
     seen: dict[str, str] = {}
     for lab in LABS:
-        for cell in nbformat.read(lab, as_version=4).cells:
+        for cell in read_cells(lab):
             grade_id = nbgrader_meta(cell).get("grade_id")
             if grade_id is None:
                 continue
@@ -161,7 +166,7 @@ def test_grade_ids_are_unique_across_labs():
 def test_every_exercise_has_a_solution_region_and_a_test(lab):
     """Each solution cell holds a BEGIN/END SOLUTION region and is followed, before the next solution cell, by a
     test cell with points and an assert."""
-    cells = nbformat.read(lab, as_version=4).cells
+    cells = read_cells(lab)
     solutions = [i for i, c in enumerate(cells) if is_solution(c)]
     assert solutions, f"{lab.name} has graded cells but no solution cell"
     for k, index in enumerate(solutions):
@@ -180,6 +185,8 @@ def test_every_exercise_has_a_solution_region_and_a_test(lab):
 @pytest.mark.slow
 @pytest.mark.parametrize("lab", LABS, ids=[p.stem for p in LABS])
 def test_student_version_has_no_solution_and_every_other_cell_unchanged(course, lab):
+    import nbformat
+
     source = nbformat.read(lab, as_version=4)
     release = nbformat.read(course.path("release", lab), as_version=4)
     assert [c.get("id") for c in release.cells] == [c.get("id") for c in source.cells]

@@ -11,11 +11,8 @@ import contextlib
 import os
 from pathlib import Path
 
-import nbformat
 import pytest
 from browser import Browser, is_drawn, measure_plots, require_browser, wait_for
-from nbclient import NotebookClient
-from nbconvert import HTMLExporter
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -31,6 +28,9 @@ NEEDS_HOSTS = {"41_many_hosts.ipynb"}  # run on two hosts the test makes (tests/
 @pytest.fixture(scope="module", params=NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def executed(request):
     """The notebook executed top to bottom, as nbclient (and `jupyter nbconvert --execute`) runs it."""
+    import nbformat  # Jupyter's libraries where they are used: the fast tests collect this module without them
+    from nbclient import NotebookClient
+
     path = request.param
     nb = nbformat.read(path, as_version=4)
     with _hosts_for(path):
@@ -68,6 +68,8 @@ def offline_browser():
 
 
 def test_notebook_runs_headless(executed, tmp_path):
+    import nbformat
+
     path, nb = executed
     errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
@@ -113,6 +115,8 @@ def _figures_in_widget(widgets: dict, model_id: str, seen: set) -> int:
 
 
 def export_html(path: Path, nb) -> Path:
+    from nbconvert import HTMLExporter
+
     body, _resources = HTMLExporter(template_name="lab").from_notebook_node(nb)
     EXPORTS.mkdir(parents=True, exist_ok=True)
     target = EXPORTS / f"{path.stem}.html"

@@ -16,7 +16,6 @@ import math
 import re
 import textwrap
 
-import nbformat
 import pytest
 import torch
 
@@ -318,6 +317,8 @@ def test_the_exported_notebook_shows_the_final_plan_offline(tmp_path):
     from test_notebooks import expected_figures
 
     require_browser()
+    import nbformat
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK])
     NotebookClient(nb, timeout=300, kernel_name="python3").execute()
     final = nb.cells[2].outputs[0]["text"].strip()
