@@ -17,6 +17,12 @@ else does. (b) would be another: instead, every lab's source already runs top to
 which fails on any error, so there every test cell's asserts pass with the teacher's solutions; here nbgrader grades
 the teacher's source only of TEACHER_LABS (the quick start: half a minute), to prove the teacher's path through
 nbgrader itself (its execution, its gradebook). NBDIST_NBGRADER_TEACHER=all grades every graded lab's source too.
+(c) runs on STUDENT_LABS, the labs that differ in kind (seven minutes for all 17, under two for these): every lab's
+exercises are the same kind of cell (a kernel-side solution, a locked test after it), and what makes (c) pass for a
+lab, that nothing outside an exercise uses what a solution defines, is checked on every lab without a kernel
+(tests/test_lab_conventions.py); the labs that differ are the quick start (magics, a cluster started by
+`%dist_start`), a lab with two exercises (the pipeline lab: the stepper) and the lab that needs hosts from its
+environment (many hosts). NBDIST_NBGRADER_STUDENT=all runs every graded lab's student version.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900  # a lab cell may start an MPI cluster or time several pipeline steps: minutes, not nbgrader's 30 s
 TEACHER_LABS = {"00_quickstart"}
+STUDENT_LABS = {"00_quickstart", "10_pipeline_lab", "41_many_hosts"}
 pytestmark = pytest.mark.filterwarnings("ignore:Object of type <Submitted")  # nbgrader's own SQLAlchemy use
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"  # nbgrader's default code stub (ClearSolutions.code_stub)
 SOLUTION_REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*$", re.S | re.M)
@@ -66,6 +73,7 @@ def graded_labs() -> list[Path]:
 
 LABS = graded_labs()
 TEACHER = LABS if os.environ.get("NBDIST_NBGRADER_TEACHER") == "all" else [p for p in LABS if p.stem in TEACHER_LABS]
+STUDENT = LABS if os.environ.get("NBDIST_NBGRADER_STUDENT") == "all" else [p for p in LABS if p.stem in STUDENT_LABS]
 
 
 class Course:
@@ -214,7 +222,7 @@ def test_teacher_version_gets_full_points(course, lab):
     assert scores and all(score == points for score, points in scores.values()), scores
 
 
-@pytest.mark.parametrize("lab", LABS, ids=[p.stem for p in LABS])
+@pytest.mark.parametrize("lab", STUDENT, ids=[p.stem for p in STUDENT])
 def test_student_version_runs_and_fails_only_its_exercises(course, lab):
     graded = submit_and_autograde(course, lab, "student", course.path("release", lab))
     outside = {c.get("id"): errors_of(c) for c in graded.cells

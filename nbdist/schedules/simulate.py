@@ -74,11 +74,19 @@ def ready(a: Action, done: set[Action] | Mapping[Action, Any], last_stage: int,
     return all(any(x in done for x in alternatives) for alternatives in requirements(a, last_stage, same_rank))
 
 
-def _inputs_at(a: Action, finished: Mapping[Action, float], last_stage: int, comm: float,
-               same_rank: Callable[[int, int], bool] | None = None) -> float:
-    """When `a`'s inputs are all there, given when each done action finished (a message adds `comm`)."""
+def needs_of(schedule) -> dict[Action, list[tuple[Action, ...]]]:
+    """`requirements` of every action of `schedule`, worked out once: a play asks for an action's needs at every
+    tick it waits, and at cluster scale (tens of thousands of actions) working them out again each time is most of
+    the simulation's time."""
+    last, same = schedule.stages - 1, same_rank_of(schedule)
+    return {a: requirements(a, last, same) for acts in schedule.program.values() for a in acts}
+
+
+def _inputs_at(a: Action, needs: list[tuple[Action, ...]], finished: Mapping[Action, float], comm: float) -> float:
+    """When `a`'s inputs are all there, given its needs and when each done action finished (a message adds
+    `comm`)."""
     time = 0.0
-    for alternatives in requirements(a, last_stage, same_rank):
+    for alternatives in needs:
         time = max(time, max(finished[x] for x in alternatives if x in finished))
     return time + comm if a.kind in (RECV_F, RECV_B) else time
 
@@ -106,13 +114,15 @@ def _missing(schedule) -> list[str]:
     return problems
 
 
-def ticks(schedule) -> Iterator[list[tuple[int, Action]]]:
+def ticks(schedule, needs: Mapping[Action, list[tuple[Action, ...]]] | None = None
+          ) -> Iterator[list[tuple[int, Action]]]:
     """The lockstep rounds: at each tick every rank runs its next action if that action is ready.
 
     Yields, per tick, the (rank, action) pairs that run. A tick where nothing can run while actions remain is a
-    deadlock: refused, naming the rank, the tick and the action it would wait on forever.
+    deadlock: refused, naming the rank, the tick and the action it would wait on forever. `needs`: the schedule's
+    `needs_of`, where the caller has it already.
     """
-    last = schedule.stages - 1
+    needs = needs_of(schedule) if needs is None else needs
     position = {r: 0 for r in schedule.program}
     done: set[Action] = set()
     tick = 0
@@ -120,7 +130,8 @@ def ticks(schedule) -> Iterator[list[tuple[int, Action]]]:
         runnable = [
             (r, acts[position[r]])
             for r, acts in schedule.program.items()
-            if position[r] < len(acts) and ready(acts[position[r]], done, last, same_rank_of(schedule))
+            if position[r] < len(acts)
+            and all(any(x in done for x in alternatives) for alternatives in needs[acts[position[r]]])
         ]
         if not runnable:
             rank, acts = next((r, acts) for r, acts in schedule.program.items() if position[r] < len(acts))
@@ -345,13 +356,13 @@ def simulate(schedule, forward: Durations = 1.0, backward: Durations = 2.0, weig
     """
     _refuse_incomplete(schedule)
     times = durations(schedule, forward, backward, weight)
-    last = schedule.stages - 1
+    needs = needs_of(schedule)
     clock = {r: 0.0 for r in schedule.program}
     finished: dict[Action, float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in sorted(schedule.program)}
-    for runnable in ticks(schedule):
+    for runnable in ticks(schedule, needs):
         for rank, a in runnable:
-            span = _play(a, clock[rank], _inputs_at(a, finished, last, comm, same_rank_of(schedule)), times)
+            span = _play(a, clock[rank], _inputs_at(a, needs[a], finished, comm), times)
             spans[rank].append(span)
             clock[rank] = finished[a] = span.end
     return Timeline(spans, unit="", name=schedule.name)
