@@ -45,18 +45,23 @@ class Status:
             return []
         return [f"{len(self.rows)} engines ready (torch.distributed initialised) in {self.startup_seconds:.2f} s"]
 
+    def _open_note(self) -> list[str]:
+        """What a protection the OS refused leaves open (one line each, once for all ranks: they share Hydra's
+        port): nbdist starts without it rather than not at all, and says so here."""
+        return [f"open: {line}" for line in sorted({line for row in self.rows for line in row.get("left_open", ())})]
+
     def _holdings_note(self) -> list[str]:
         return [] if self.holdings else ["the ranks hold no nbdist objects (pipelines, meshes, groups)"]
 
     def __str__(self) -> str:
-        lines = _text_table(self.HEADER, [self._cells(r) for r in self.rows]) + self._footer()
+        lines = _text_table(self.HEADER, [self._cells(r) for r in self.rows]) + self._footer() + self._open_note()
         if self.holdings:
             lines += [""] + _text_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
         return "\n".join(lines + self._holdings_note())
 
     def _repr_html_(self) -> str:
         out = _html_table(self.HEADER, [self._cells(r) for r in self.rows])
-        out += "".join(f"<p>{line}</p>" for line in self._footer())
+        out += "".join(f"<p>{html.escape(line)}</p>" for line in self._footer() + self._open_note())
         if self.holdings:
             out += _html_table(self.HOLDINGS_HEADER, [self._holding_cells(r) for r in self.holdings])
         return out + "".join(f"<p>{html.escape(line)}</p>" for line in self._holdings_note())

@@ -3,7 +3,7 @@ fills it in at the engine's start). Here, not in boot, so that every parallelism
 launch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nbdist.errors import DistUsageError
 from nbdist.runtime.ranks import registry
@@ -22,6 +22,7 @@ class RankInfo:
     backend: str  # what dist.get_backend() reports: "mpi4py" or "gloo" (CPU), "cpu:gloo,cuda:nccl" (GPU engines)
     boot_seconds: float
     launched_pid: int = 0  # the process mpiexec started: this one, or the stand-in of a rank forked from the kernel
+    left_open: list[str] = field(default_factory=list)  # protections the OS refused: what stays open, in words
 
 
 KEY = "boot"  # where boot keeps it in the registry's RANK scope

@@ -137,11 +137,14 @@ _LOAD_IFINDEX = 0x20, 0xFFFFF008  # ld [SKF_AD_OFF + SKF_AD_IFINDEX]: the device
 _JUMP_IF_EQUAL, _RETURN = 0x15, 0x06
 
 
-def only_from_this_host(fd: int) -> None:
+def only_from_this_host(fd: int) -> bool:
     """Make listening socket `fd` answer this host alone: a socket filter (classic BPF, as tcpdump's) drops every
     packet that did not arrive on the loopback device, so a connection from another host gets no answer, and one
     from this host, to any of its addresses (all of which arrive on loopback), is accepted as before. The filter
-    belongs to the socket, not to this descriptor: it holds for every process that shares it (mpiexec included)."""
+    belongs to the socket, not to this descriptor: it holds for every process that shares it (mpiexec included).
+
+    False where the kernel refuses the filter (some kernels ask CAP_NET_ADMIN for it, which an ordinary user lacks):
+    a hardening step, never a reason for the start to fail; the caller says what stays open."""
     loopback = socket.if_nametoindex(loopback_interface())
     program = (_Instruction * 4)(
         _Instruction(_LOAD_IFINDEX[0], 0, 0, _LOAD_IFINDEX[1]),
@@ -151,4 +154,14 @@ def only_from_this_host(fd: int) -> None:
     )
     with socket.socket(fileno=os.dup(fd)) as sock:
         fprog = struct.pack("HP", len(program), ctypes.addressof(program))  # struct sock_fprog: length, pointer
-        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+        except PermissionError:
+            return False
+        return True
+
+
+def port_of(fd: int) -> int:
+    """The port listening socket `fd` is bound to."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return sock.getsockname()[1]

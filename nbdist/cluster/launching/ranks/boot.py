@@ -72,18 +72,20 @@ def _private_folder() -> str | None:
     return folder if private else None
 
 
-def _keep_to_this_host(inherited: list[int]) -> None:
+def _keep_to_this_host(inherited: list[int]) -> list[str]:
     """Every rank on one host: gloo and NCCL listen on the loopback interface (unless the user named one), and the
     listening sockets this engine inherited (Hydra's control port, on every interface: Hydra cannot be told
     otherwise) answer this host alone (addresses.only_from_this_host). MPICH itself listens on no port here: the
-    kernel gave the engines addresses.ONE_HOST_TRANSPORTS."""
+    kernel gave the engines addresses.ONE_HOST_TRANSPORTS. Returns what stays open where the kernel refused the
+    filter (an ordinary user's start goes on without it; `%dist_status` says so)."""
     from nbdist.cluster.hosts.ranks import addresses
 
     interface = addresses.loopback_interface()
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(variable, interface)
-    for fd in inherited:
-        addresses.only_from_this_host(fd)
+    return [f"Hydra's control port {addresses.port_of(fd)} answers other hosts (this kernel refuses the socket "
+            "filter that keeps it to this host without CAP_NET_ADMIN)"
+            for fd in inherited if not addresses.only_from_this_host(fd)]
 
 
 def _unlink_shared_memory_files() -> None:
@@ -168,8 +170,7 @@ def boot() -> RankInfo:
     from nbdist.backend.ranks import roll_call
 
     roll_call.open_channel(comm)  # collective: where a timed-out collective asks the others where they are
-    if single_host:
-        _keep_to_this_host(inherited)
+    left_open = _keep_to_this_host(inherited) if single_host else []
     binding = _bind(comm, local_rank, ranks_on_host)  # a collective: every rank has mapped MPICH's segment
     if local_rank == 0:
         _unlink_shared_memory_files()
@@ -189,6 +190,7 @@ def boot() -> RankInfo:
         backend=backend,
         boot_seconds=time.perf_counter() - started,
         launched_pid=int(os.environ.get(STAND_IN_ENV, os.getpid())),  # cluster/launching/ranks/zygote.py sets it
+        left_open=left_open,
     ))
 
 
