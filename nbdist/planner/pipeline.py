@@ -17,6 +17,7 @@ from functools import lru_cache
 from nbdist.schedules import Schedule, Timeline
 from nbdist.schedules.generators import GENERATORS, check_parameters
 from nbdist.schedules.schedule import add_comms
+from nbdist.schedules.simulate import durations, play_order, replay
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,20 @@ def _run(schedule: str, p: int, m: int, v: int, forward: tuple, backward: tuple,
 
 
 def _simulate(schedule: str, p: int, m: int, v: int, forward: tuple, backward: tuple, comm: float) -> Timeline:
+    played, needs, order = _played(schedule, p, m, v)
     # the simulator divides a rank's time by its chunks: give it each chunk's time × v
-    timeline = _schedule(schedule, p, m, v).simulate(forward=[f * v for f in forward], backward=[b * v for b in backward],
-                                                 comm=comm)
+    times = durations(played, forward=[f * v for f in forward], backward=[b * v for b in backward])
+    timeline = replay(played, needs, order, times, comm)
     timeline.name, timeline.unit = f"{schedule} (predicted)", "s"
     return timeline
+
+
+@lru_cache(maxsize=16)
+def _played(name: str, p: int, m: int, v: int) -> tuple[Schedule, dict, list]:
+    """The schedule with its play order (simulate.play_order): a search, a sweep or a table (Megatron-LM's Table 1
+    under two efficiencies) simulates one schedule under many durations, and the order is most of a play's work."""
+    schedule = _schedule(name, p, m, v)
+    return (schedule, *play_order(schedule))
 
 
 def _schedule(name: str, p: int, m: int, v: int) -> Schedule:

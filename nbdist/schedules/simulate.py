@@ -354,17 +354,31 @@ def simulate(schedule, forward: Durations = 1.0, backward: Durations = 2.0, weig
     An action starts at max(the rank's clock, when its inputs are there). Compute spans last their duration; a send
     lasts nothing; a receive lasts as long as the rank waited for the message, and records that as its wait.
     """
+    needs, order = play_order(schedule)
+    return replay(schedule, needs, order, durations(schedule, forward, backward, weight), comm)
+
+
+def play_order(schedule) -> tuple[dict[Action, list[tuple[Action, ...]]], list[tuple[int, Action]]]:
+    """The schedule's needs and the (rank, action) pairs in the order its ticks run them: what a simulation of it
+    plays whatever the durations, so a caller that simulates one schedule under many durations (the planner)
+    works it out once. An incomplete schedule is refused here."""
     _refuse_incomplete(schedule)
-    times = durations(schedule, forward, backward, weight)
     needs = needs_of(schedule)
+    return needs, [pair for runnable in ticks(schedule, needs) for pair in runnable]
+
+
+def replay(schedule, needs: Mapping[Action, list[tuple[Action, ...]]], order: Sequence[tuple[int, Action]],
+           times: dict[tuple[int, str], float], comm: float = 0.0) -> Timeline:
+    """`simulate` from its `play_order` and `durations`: the actions are played in the order of the ticks, each
+    when its rank and its inputs are ready (an action never needs one of its own tick: it ran only if ready
+    before that tick)."""
     clock = {r: 0.0 for r in schedule.program}
     finished: dict[Action, float] = {}
     spans: dict[int, list[Span]] = {r: [] for r in sorted(schedule.program)}
-    for runnable in ticks(schedule, needs):
-        for rank, a in runnable:
-            span = _play(a, clock[rank], _inputs_at(a, needs[a], finished, comm), times)
-            spans[rank].append(span)
-            clock[rank] = finished[a] = span.end
+    for rank, a in order:
+        span = _play(a, clock[rank], _inputs_at(a, needs[a], finished, comm), times)
+        spans[rank].append(span)
+        clock[rank] = finished[a] = span.end
     return Timeline(spans, unit="", name=schedule.name)
 
 
