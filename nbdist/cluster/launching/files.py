@@ -35,12 +35,26 @@ def profile_root() -> str:
     return os.path.join(tempfile.gettempdir(), f"nbdist-{user}")
 
 
+def own_profile_root() -> str:
+    """profile_root(), made if missing, or one line saying why it cannot hold this user's clusters (not a folder,
+    another user's). Asked before anything of a start runs: a start that failed here after forking its warm process
+    hung in that process's stop."""
+    root = profile_root()
+    named = f"{CLUSTER_DIR_ENV}={root}" if os.environ.get(CLUSTER_DIR_ENV) else root
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise DistError(f"{named} is not a folder: set {CLUSTER_DIR_ENV} to a folder of your own") from None
+    except OSError as e:
+        raise DistError(f"cannot make {named} ({e.strerror}): set {CLUSTER_DIR_ENV} to a folder of your own") from None
+    if hasattr(os, "getuid") and os.stat(root).st_uid != os.getuid():  # connection files hold the cluster's keys
+        raise DistError(f"{named} belongs to another user: set {CLUSTER_DIR_ENV} to a folder of your own")
+    return root
+
+
 def new_profile_dir() -> str:
     """A fresh profile directory owned by this kernel, holding the user's ipyparallel configuration (if any)."""
-    root = profile_root()
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    if hasattr(os, "getuid") and os.stat(root).st_uid != os.getuid():  # connection files hold the cluster's keys
-        raise DistError(f"{root} belongs to another user: set {CLUSTER_DIR_ENV} to a folder of your own")
+    root = own_profile_root()
     remove_stale_profile_dirs(root)
     path = tempfile.mkdtemp(prefix="cluster-", dir=root)
     me = psutil.Process()

@@ -232,6 +232,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     until every engine has registered. `while_waiting()` is called instead of sleeping in that wait, until it
     returns False (the kernel has nothing else to do meanwhile: api.Cluster.start loads modules in it)."""
     deadline = time.monotonic() + options.timeout
+    cluster_files.own_profile_root()  # before any process: one line where the cluster's folder cannot be had
     allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
     warm_process = None
     try:
