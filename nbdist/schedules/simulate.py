@@ -71,7 +71,12 @@ def same_rank_of(schedule) -> Callable[[int, int], bool]:
 def ready(a: Action, done: set[Action] | Mapping[Action, Any], last_stage: int,
           same_rank: Callable[[int, int], bool] | None = None) -> bool:
     """Can `a` run now, given the actions already done anywhere (a set, or a dict keyed by action)?"""
-    return all(any(x in done for x in alternatives) for alternatives in requirements(a, last_stage, same_rank))
+    return _met(requirements(a, last_stage, same_rank), done)
+
+
+def _met(needs: list[tuple[Action, ...]], done: set[Action] | Mapping[Action, Any]) -> bool:
+    """Every need has one of its alternatives done."""
+    return all(any(x in done for x in alternatives) for alternatives in needs)
 
 
 def needs_of(schedule) -> dict[Action, list[tuple[Action, ...]]]:
@@ -130,8 +135,7 @@ def ticks(schedule, needs: Mapping[Action, list[tuple[Action, ...]]] | None = No
         runnable = [
             (r, acts[position[r]])
             for r, acts in schedule.program.items()
-            if position[r] < len(acts)
-            and all(any(x in done for x in alternatives) for alternatives in needs[acts[position[r]]])
+            if position[r] < len(acts) and _met(needs[acts[position[r]]], done)
         ]
         if not runnable:
             rank, acts = next((r, acts) for r, acts in schedule.program.items() if position[r] < len(acts))
