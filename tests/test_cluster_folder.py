@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 import nbdist
+from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistError
 
 
@@ -18,7 +19,8 @@ def _refused(monkeypatch, folder) -> str:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
     with pytest.raises(DistError) as refused:
-        nbdist.start(2, timeout=30)
+        # a Cluster of its own: nbdist.start() would keep a cluster another test left running, and check nothing
+        nbdist.Cluster(ClusterOptions(n=2, cpu=True, timeout=30)).start()
     assert time.monotonic() - started < 1.0
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
     return str(refused.value)
