@@ -127,7 +127,18 @@ class _MetadataUnpickler(pickle.Unpickler):
                 module == "torch" and isinstance(getattr(torch, name, None),
                                                  (torch.dtype, torch.layout, torch.memory_format))):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
         raise _needs_code(self.name, f"{module}.{name}")
+
+    def _enum_member(self, cls, name):
+        """Some CPython 3.11 builds (Debian 12's 3.11.2) pickle an Enum member as getattr(its class, its name):
+        given here only a member of an Enum class resolved above, never another attribute."""
+        import enum
+
+        if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise _needs_code(self.name, f"builtins.getattr of {getattr(cls, '__name__', type(cls).__name__)}.{name}")
 
     def persistent_load(self, pid):
         raise _corrupt(self.name, "a persistent id, which DCP's metadata never has")
