@@ -1,9 +1,10 @@
 """What a cluster listens on, and who can reach it (issue 22), on real clusters: no mocks.
 
-The claims, on one host (every rank on the kernel's host): every TCP port a process of the cluster listens on is on
-loopback, with one exception nbdist cannot move, Hydra's control port (mpiexec binds it to every interface and has
-no setting to bind it elsewhere), which carries a socket filter that drops every packet not arriving on loopback;
-torch's rendezvous store is a FileStore in the cluster's own folder (no socket, readable by this user alone);
+The claims, on one host (every rank on the kernel's host): no TCP or UDP port a process of the cluster listens on is
+on this host's network: they are all in the cluster's own network namespace (Hydra's control port too, which
+mpiexec binds to every interface), and the controller and the lifeline server listen on socket files in the
+cluster's 0700 folder (tests/test_one_host_privacy.py runs another user's probes against them); torch's
+rendezvous store is a FileStore in the cluster's own folder (no socket, readable by this user alone);
 MPICH's own transport listens on no port, and gloo on loopback. From another network namespace (another host, as
 tests/hosts.py makes them) no port of the cluster answers at this host's address, while a plain listener there
 does. Over several hosts, the store is carried over MPI: no socket is opened for it.
@@ -13,7 +14,6 @@ NBDIST_REQUIRE_HOSTS=1 (CI), where that is a failure.
 """
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import os
 import socket
@@ -29,8 +29,6 @@ import nbdist
 from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
 from nbdist.cluster.options import ClusterOptions
 
-_PIDFD_GETFD = 438  # the same number on every Linux architecture
-_SO_GET_FILTER = 26
 
 
 @dataclass(frozen=True)
@@ -48,56 +46,53 @@ class Listener:
 
 
 def _listeners(procs: list[psutil.Process]) -> list[Listener]:
-    """Every listening TCP socket and every bound, unconnected UDP socket the processes hold."""
+    """Every listening TCP socket and every bound, unconnected UDP socket the processes hold, in whichever network
+    namespace each is (read from /proc/<pid>/net: psutil reads this process's own network only)."""
     found = []
     for proc in procs:
         try:
-            name, connections = proc.name(), proc.net_connections(kind="inet")
-        except psutil.Error:
+            name = proc.name()
+            sockets = {}
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    sockets[target[len("socket:["):-1]] = int(fd)
+            tables = {kind: open(f"/proc/{proc.pid}/net/{kind}").read().splitlines()[1:]
+                      for kind in ("tcp", "tcp6", "udp", "udp6")}
+        except (OSError, psutil.Error):
             continue
-        for c in connections:
-            if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr):
-                found.append(Listener(proc.pid, name, c.fd, c.laddr.ip, c.laddr.port))
+        for kind, lines in tables.items():
+            for line in lines:
+                fields = line.split()
+                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+                listening = state == "0A" if kind.startswith("tcp") else set(remote.split(":")[1]) == {"0"}
+                if listening and inode in sockets:
+                    address, port = local.split(":")
+                    raw = bytes.fromhex(address)
+                    ip = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6,
+                                          b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append(Listener(proc.pid, name, sockets[inode], ip, int(port, 16)))
     return found
 
 
 def _cluster_listeners(cluster: nbdist.Cluster) -> list[Listener]:
-    """The cluster's processes' listeners, and the kernel's lifeline server (a thread of this process)."""
-    server = cluster._launched.lifeline  # a forked rank's /proc environ is its kernel's
-    lifeline_port = int(server.environment()[ADDRESS_ENV].rpartition(":")[2])
-    own = [listener for listener in _listeners([psutil.Process()]) if listener.port == lifeline_port]
-    assert own, "the lifeline server is not listening"
-    return _listeners(cluster.processes()) + own
+    """The cluster's processes' TCP and UDP listeners; the kernel's lifeline server (a thread of this process)
+    listens on a socket file in the cluster's folder, not a port."""
+    address = cluster._launched.lifeline.environment()[ADDRESS_ENV]
+    assert address.startswith("unix:") and os.path.dirname(address[len("unix:"):]) == cluster._launched.cluster.profile_dir
+    return _listeners(cluster.processes())
 
 
-def _filter_length(pid: int, fd: int) -> int:
-    """The number of socket-filter instructions on process `pid`'s socket `fd` (0: none), read through a copy of its
-    descriptor (pidfd_getfd: Linux >= 5.6, and the right to trace `pid`, which a parent has)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(pid)
-    try:
-        copy = libc.syscall(_PIDFD_GETFD, pidfd, fd, 0)
-        if copy < 0:
-            pytest.skip(f"cannot copy mpiexec's socket here (pidfd_getfd: {os.strerror(ctypes.get_errno())})")
-        try:
-            length = ctypes.c_uint(0)
-            assert libc.getsockopt(copy, socket.SOL_SOCKET, _SO_GET_FILTER, None, ctypes.byref(length)) == 0
-            return length.value
-        finally:
-            os.close(copy)
-    finally:
-        os.close(pidfd)
+def _network(pid: int | str = "self") -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
 
 
 def _check_one_host(cluster: nbdist.Cluster) -> list[Listener]:
-    """Everything on loopback but Hydra's control port, which is mpiexec's (shared with its children) and filtered."""
+    """No port of the cluster is on this host's network: every TCP and UDP listener its processes hold (Hydra's
+    control port, gloo's) is in the cluster's own network namespace (cluster/launching/privacy.py)."""
     found = _cluster_listeners(cluster)
-    elsewhere = [listener for listener in found if not listener.on_loopback()]
-    mpiexec = [listener for listener in elsewhere if listener.name == "mpiexec"]
-    assert len(mpiexec) == 1, found
-    control = mpiexec[0]
-    assert {(listener.address, listener.port) for listener in elsewhere} == {(control.address, control.port)}, found
-    assert _filter_length(control.pid, control.fd) == 4  # addresses.only_from_this_host's program
+    assert [listener for listener in found if listener.name == "mpiexec"], found  # Hydra's port is among them
+    assert not [listener for listener in found if _network(listener.pid) == _network()], found
     return found
 
 
@@ -130,7 +125,7 @@ def one_host(request, cluster, gloo_cluster):
     return cluster if request.param == "default" else gloo_cluster
 
 
-def test_on_one_host_everything_listens_on_loopback_but_hydras_port_which_answers_this_host_alone(one_host):
+def test_on_one_host_no_port_is_on_this_hosts_network(one_host):
     got = one_host.run(_on_rank)
     assert all(g["store"] == "FileStore" and g["mode"] == "0o600" and g["sum"] == [2.0, 2.0] for g in got), got
     assert all(g["gloo_interface"] == "lo" for g in got), got

@@ -22,7 +22,7 @@ def _launcher(cluster: ipp.Cluster, output_file: str):
 
 
 def test_a_file_already_removed_is_not_an_error_but_other_failures_still_are(tmp_path, caplog):
-    cluster = _ipp_cluster(ClusterOptions(n=1).resolved(), str(tmp_path), "127.0.0.1")
+    cluster = _ipp_cluster(ClusterOptions(n=1).resolved(), str(tmp_path), "tcp", "127.0.0.1")
     gone = tmp_path / "log" / "ipcontroller-1.log"
     launcher = _launcher(cluster, str(gone))
     with caplog.at_level(logging.ERROR, logger=cluster.log.name):

@@ -22,6 +22,10 @@ ENGINE_MEMORY_BYTES = 400 * 2**20  # an idle engine (torch, a process group) hol
 DEFAULT_CPU_ENGINES = 2
 HOSTFILE_FLAGS = ("-f", "--hostfile", "-hostfile", "--machinefile", "-machinefile", "--host", "-host", "-hosts")
 MAX_SECONDS = 10**9  # about 31 years: the longest timeout taken (torch's timedelta overflows far above; inf never ends)
+MIN_RUN_SECONDS = 0.1  # the shortest timeout of a run: sending a cell and hearing its answer takes milliseconds, and
+# the waiter looks every 50 ms (cluster/waiting/remote.py); below this a timeout could only cut cells that had already
+# ended (1e-9 printed the cell's output, then said "timed out"), so it is refused before anything is sent
+OWNED_MPI_ARGS = ("-n", "-np", "--n", "--np")  # mpiexec options nbdist sets itself: the number of engines is -n
 
 
 def seconds(value: Any, what: str) -> float:
@@ -37,7 +41,11 @@ def run_timeout(value: Any, what: str = "timeout") -> float | None:
     if value is None:
         return None
     try:
-        return seconds(value, what)
+        value = seconds(value, what)
+        if value < MIN_RUN_SECONDS:
+            raise DistUsageError(f"{what} {value:g} s is too short to mean anything (a cell takes longer to reach the "
+                                 f"ranks and answer): give at least {MIN_RUN_SECONDS:g} s")
+        return value
     except DistUsageError as e:
         raise DistUsageError(f"{e} (or None for no limit)") from None
 
@@ -204,6 +212,10 @@ class ClusterOptions:
         if self.mpi_args and not self.mpi_args[0].startswith("-"):
             raise DistUsageError(f"--mpi-args must begin with an mpiexec option, got {self.mpi_args[0]!r}: mpiexec "
                                  "would take it for the program to run")
+        owned = next((arg for arg in self.mpi_args if arg.split("=")[0] in OWNED_MPI_ARGS), None)
+        if owned is not None:
+            raise DistUsageError(f"--mpi-args {owned!r}: nbdist gives mpiexec the number of engines itself; ask for "
+                                 "them with -n (nbdist.start(n))")
         if not isinstance(self.fork, bool):
             raise DistUsageError(f"fork must be True or False, got {self.fork!r}")
         for name, value in (("hostfile", self.hostfile), ("iface", self.iface)):

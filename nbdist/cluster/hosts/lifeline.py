@@ -62,6 +62,24 @@ def remove_if_owned_by(profile_dir: str | None, pid: int) -> None:
         shutil.rmtree(profile_dir, ignore_errors=True)
 
 
+UNIX_PREFIX = "unix:"  # an address of a server on the kernel's host: its socket file, in the cluster's 0700 folder
+
+
+def open_connection(address: str, timeout: float) -> socket.socket:
+    """A connection to the lifeline server at `address`: "host:port", or "unix:PATH" for a cluster on one host (a
+    file only this user reaches, and reached by path whatever network namespace the ranks are in)."""
+    if not address.startswith(UNIX_PREFIX):
+        return socket.create_connection(split_address(address), timeout=timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address[len(UNIX_PREFIX):])
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def split_address(address: str) -> tuple[str, int]:
     """"host:port" (or "[v6 address]:port") -> (host, port)."""
     host, _, port = address.rpartition(":")
@@ -106,7 +124,10 @@ def _give_up(address: str, why: str) -> NoReturn:
 
 def keep_alive(sock: socket.socket) -> None:
     """TCP keepalive, so a kernel host that vanishes without closing anything (power, network) is noticed too,
-    within about half a minute. A busy or stopped kernel still answers: its OS does, not its Python."""
+    within about half a minute. A busy or stopped kernel still answers: its OS does, not its Python. (A Unix
+    socket needs none: the kernel's own host closes it.)"""
+    if sock.family == socket.AF_UNIX:
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):
@@ -130,11 +151,10 @@ def _first_words(sock: socket.socket) -> bytes:
 def _connect(address: str, token: str) -> socket.socket:
     """A connection the server has accepted as a lifeline (retrying a refused one briefly: a server that is not
     listening yet), else the process ends in `_give_up`."""
-    host, port = split_address(address)
     deadline = time.monotonic() + CONNECT_SECONDS
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+            sock = open_connection(address, HANDSHAKE_SECONDS)
             break
         except OSError as e:  # refused (not listening yet or any more), unreachable, timed out
             if time.monotonic() > deadline:

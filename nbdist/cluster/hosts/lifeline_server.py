@@ -43,6 +43,7 @@ from nbdist.cluster.hosts.lifeline import (
     HOST_ENV,
     TOKEN_ENV,
     WATCH_ENV,
+    UNIX_PREFIX,
     keep_alive,
 )
 from nbdist.cluster.hosts.ranks.addresses import MASTER_ADDR_ENV
@@ -56,12 +57,18 @@ MAX_PENDING = 64  # connections not yet past the token at once; beyond, the olde
 class LifelineServer:
     """Holds the engines' lifeline connections for one cluster; `close()` ends them all and the thread."""
 
-    def __init__(self, host: str = "127.0.0.1", handshake_seconds: float = HANDSHAKE_SECONDS):
+    def __init__(self, host: str = "127.0.0.1", handshake_seconds: float = HANDSHAKE_SECONDS, path: str | None = None):
         self.token = secrets.token_hex(16)
         self.handshake_seconds = handshake_seconds
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family, backlog=128)
-        self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        if path is not None:  # a cluster on one host: a socket file in its 0700 folder, not a port every user reaches
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(path)
+            self._listener.listen(128)
+            self.address = f"{UNIX_PREFIX}{path}"
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.create_server((host, 0), family=family, backlog=128)
+            self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
         self._wake_read, self._wake_write = socket.socketpair()
         self._pending: dict[socket.socket, tuple[float, bytes]] = {}  # no token yet: (deadline, what it said so far)
         self._held: set[socket.socket] = set()
@@ -309,11 +316,11 @@ def _parsed(line: bytes | None) -> dict | None:
         return None
 
 
-def serve(host: str) -> LifelineServer:
+def serve(host: str, path: str | None = None) -> LifelineServer:
     """A lifeline server for one cluster, listening on `host`, the address the cluster's engines reach the kernel
-    by (ClusterOptions.kernel_address)."""
+    by (ClusterOptions.kernel_address), or on socket file `path` where every engine is on the kernel's host."""
     try:
-        return LifelineServer(host)
+        return LifelineServer(host, path=path)
     except OSError as e:
         raise DistUsageError(
             f"cannot serve the engines' lifeline on {host!r} ({e}): set {MASTER_ADDR_ENV} to an address of this host"

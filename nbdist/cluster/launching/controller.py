@@ -36,9 +36,28 @@ def beat_fast_until(engines: int) -> None:
     heartmonitor.HeartMonitor.beat = beat_then_settle
 
 
+def ipc_urls_as_engines_join_them() -> None:
+    """ipyparallel's controller joins an IPC address and its port with "-" (ipc:///folder/zmq-PORT), but its
+    client and engines join every address with ":" and would knock on files that do not exist (the client's
+    "Hub connection request timed out"): the controller joins with ":" too, a name as good for a socket file."""
+    from ipyparallel.controller.app import IPController
+
+    construct_url = IPController.construct_url
+
+    def joined_with_colon(controller, kind: str, channel: str, index=None) -> str:
+        url = construct_url(controller, kind, channel, index)
+        if url.startswith("ipc://"):
+            address, _, port = url.rpartition("-")
+            url = f"{address}:{port}"
+        return url
+
+    IPController.construct_url = joined_with_colon
+
+
 def main() -> None:
     engines = int(sys.argv.pop(1))
     beat_fast_until(engines)
+    ipc_urls_as_engines_join_them()
     from ipyparallel.controller.app import main as ipcontroller_main
 
     ipcontroller_main()

@@ -36,7 +36,8 @@ import psutil
 
 from nbdist.cluster.hosts import lifeline_server, slurm
 from nbdist.cluster.launching import files as cluster_files
-from nbdist.cluster.launching import mpi_segments, warm
+from nbdist.cluster.hosts.ranks import addresses
+from nbdist.cluster.launching import mpi_segments, privacy, warm
 from nbdist.cluster.launching.ranks.main import START_TIMEOUT_ENV
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.waiting import deaths
@@ -85,8 +86,6 @@ class Launched:
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
                         kernel_address: str) -> dict[str, str]:
-    from nbdist.cluster.hosts.ranks import addresses
-
     env = {
         **lifeline.environment(),
         addresses.KERNEL_ADDRESS_ENV: kernel_address,  # rank 0 serves the rendezvous on its address toward it
@@ -118,26 +117,27 @@ def _kernel_import_paths() -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.isdir(p)]
 
 
-def _warm_or_none() -> warm.WarmProcess | None:
+def _warm_or_none(private: bool) -> warm.WarmProcess | None:
     """The kernel's warm process; None (fresh ranks) when the fork itself fails, e.g. for want of memory."""
     try:
-        return warm.start()
+        return warm.start(private)
     except OSError:
         return None
 
 
-def _new_cluster(options: ClusterOptions, kernel_address: str) -> ipp.Cluster:
+def _new_cluster(options: ClusterOptions, kernel_address: str, one_host: bool) -> ipp.Cluster:
     profile_dir = cluster_files.new_profile_dir()
     try:
-        return _ipp_cluster(options, profile_dir, kernel_address)
+        return _ipp_cluster(options, profile_dir, *privacy.controller_address(profile_dir, one_host, kernel_address))
     except BaseException:  # e.g. an error in the user's ipcluster_config.py
         shutil.rmtree(profile_dir, ignore_errors=True)
         raise
 
 
-def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str) -> ipp.Cluster:
-    """The controller listens on loopback for engines on this host, and on the kernel's address toward the other
-    hosts when engines run there (its messages stay signed with the cluster's key, as ipyparallel signs them)."""
+def _ipp_cluster(options: ClusterOptions, profile_dir: str, transport: str, address: str) -> ipp.Cluster:
+    """The controller listens on Unix sockets in the cluster's folder for engines on this host (privacy.py), and on
+    the kernel's address toward the other hosts when engines run there (its messages stay signed with the
+    cluster's key, as ipyparallel signs them)."""
     cluster = ipp.Cluster(
         profile_dir=profile_dir,
         cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
@@ -152,7 +152,8 @@ def _ipp_cluster(options: ClusterOptions, profile_dir: str, kernel_address: str)
             "--IPController.use_threads=True",
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-            f"--IPController.ip={kernel_address}",
+            f"--IPController.transport={transport}",
+            f"--IPController.ip={address}",
         ],
     )
     cluster.log.addFilter(_already_removed)  # its launchers log through it
@@ -237,9 +238,12 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     warm_process = None
     try:
         kernel_address = options.kernel_address(allocation)
+        one_host = kernel_address == addresses.LOOPBACK and allocation is None
+        refused = privacy.private_net_refused() if one_host else None
         if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
-            warm_process = _warm_or_none()  # first: it loads what ranks need while the controller starts
-        cluster = _new_cluster(options, kernel_address)
+            warm_process = _warm_or_none(one_host and refused is None)  # first: it loads what ranks need while
+            # the controller starts
+        cluster = _new_cluster(options, kernel_address, one_host)
     except BaseException:
         if warm_process is not None:
             warm_process.stop()
@@ -248,7 +252,8 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         raise
     launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
     try:
-        lifeline = launched.lifeline = lifeline_server.serve(kernel_address)
+        lifeline = launched.lifeline = lifeline_server.serve(
+            kernel_address, privacy.lifeline_path(cluster.profile_dir, one_host))
         watched = [sys.executable, "-m", "nbdist.cluster.hosts.lifeline", str(os.getpid())]
         cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.launching.controller", str(options.n)])
         cluster.start_engines_sync(
@@ -260,9 +265,10 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                 "--log-level=40",
                 f"--IPEngine.wait_for_url_file={options.timeout}",
             ],
-            mpi_cmd=[options.mpiexec()],
+            mpi_cmd=privacy.wrapped(options.mpiexec(), one_host and refused is None),
             mpi_args=options.launch_args(kernel_address),
             environment={**_engine_environment(options, lifeline, kernel_address),
+                         **(privacy.environment(refused) if one_host else {}),
                          **(allocation.variables if allocation is not None else {})},
         )
         client = launched.client = cluster.connect_client_sync()

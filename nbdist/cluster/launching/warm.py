@@ -95,8 +95,9 @@ def usable(multi_host: bool) -> str | None:
     return None
 
 
-def start() -> WarmProcess:
-    """Fork the warm process; it serves from the moment this returns (requests wait while it loads)."""
+def start(private: bool = False) -> WarmProcess:
+    """Fork the warm process; it serves from the moment this returns (requests wait while it loads). `private`:
+    it enters a network of its own first, as mpiexec does (cluster/launching/privacy.py)."""
     folder = tempfile.mkdtemp(prefix="nbdist-warm-")  # 0700: only this user reaches the socket
     path = os.path.join(folder, "ranks.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -104,7 +105,7 @@ def start() -> WarmProcess:
         listener.bind(path)
         listener.listen(256)
         forker = threading.Event()
-        pid = _fork_from_a_fresh_thread(listener, forker)
+        pid = _fork_from_a_fresh_thread(listener, forker, private)
     except BaseException:
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -113,7 +114,7 @@ def start() -> WarmProcess:
     return WarmProcess(pid=pid, path=path, forker=forker)
 
 
-def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event) -> int:
+def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event, private: bool) -> int:
     """Fork from a thread that has never run torch's parallel loops: GNU OpenMP keeps its worker threads per thread
     that started them, and a fork of a thread that has some (the kernel's main thread, once a cell ran a large
     tensor operation) hangs at its first parallel loop; a fork of a fresh thread starts OpenMP afresh (tried:
@@ -136,7 +137,7 @@ def _fork_from_a_fresh_thread(listener: socket.socket, forker: threading.Event) 
         if pid == 0:
             from nbdist.cluster.launching.ranks import zygote
 
-            zygote.serve(listener, kernel_pid)  # never returns
+            zygote.serve(listener, kernel_pid, private)  # never returns
         forked.append(pid)
         ready.set()
         forker.wait()

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 
 from nbdist.cluster.launching import mpi_segments
+from nbdist.cluster.launching.ranks.warm_stub import LAUNCHER_NET_ENV
 from nbdist.errors import DistUsageError
 from nbdist.runtime.ranks import devices
 from nbdist.runtime.ranks.rank import KEY, RankInfo
@@ -73,19 +74,37 @@ def _private_folder() -> str | None:
 
 
 def _keep_to_this_host(inherited: list[int]) -> list[str]:
-    """Every rank on one host: gloo and NCCL listen on the loopback interface (unless the user named one), and the
-    listening sockets this engine inherited (Hydra's control port, on every interface: Hydra cannot be told
-    otherwise) answer this host alone (addresses.only_from_this_host). MPICH itself listens on no port here: the
-    kernel gave the engines addresses.ONE_HOST_TRANSPORTS. Returns what stays open where the kernel refused the
-    filter (an ordinary user's start goes on without it; `%dist_status` says so)."""
+    """Every rank on one host: gloo and NCCL listen on the loopback interface (unless the user named one), MPICH on
+    no port (the kernel gave the engines addresses.ONE_HOST_TRANSPORTS), and mpiexec and the ranks are in a
+    network namespace of their own (cluster/launching/privacy.py), whose loopback no other user reaches. Where the
+    OS refused that namespace, the listening sockets this engine inherited (Hydra's control port, on every
+    interface: Hydra cannot be told otherwise) are kept to this host by a socket filter
+    (addresses.only_from_this_host). Returns what stays open, in words, as measured here: the namespaces this
+    process and its launcher are in, against the kernel's."""
     from nbdist.cluster.hosts.ranks import addresses
+    from nbdist.cluster.launching.ranks import private_net
 
     interface = addresses.loopback_interface()
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(variable, interface)
-    return [f"Hydra's control port {addresses.port_of(fd)} answers other hosts (this kernel refuses the socket "
-            "filter that keeps it to this host without CAP_NET_ADMIN)"
-            for fd in inherited if not addresses.only_from_this_host(fd)]
+    kernel_net = os.environ.get(private_net.KERNEL_NET_ENV)
+    if not kernel_net:  # started outside nbdist's launch: nothing to compare with
+        return []
+    why = os.environ.get(private_net.REFUSED_ENV, "the OS refused it")
+    launcher_net = os.environ.get(LAUNCHER_NET_ENV) or private_net.namespace_of()  # Hydra's (a forked rank's
+    # stand-in says where it is)
+    left_open = []
+    if private_net.namespace_of() == kernel_net:
+        left_open.append(f"the ranks' ports on loopback (gloo's, MPICH's abstract sockets) answer every local user "
+                         f"(no private network namespace: {why})")
+    if launcher_net in (kernel_net, None):
+        for fd in inherited:
+            filtered = addresses.only_from_this_host(fd)
+            left_open.append(f"Hydra's control port {addresses.port_of(fd)} answers every local user"
+                             + ("" if filtered else " and other hosts (the socket filter that keeps it to this host "
+                                "needs CAP_NET_ADMIN)")
+                             + f": any of them can end the job (no private network namespace: {why})")
+    return left_open
 
 
 def _unlink_shared_memory_files() -> None:

@@ -24,8 +24,16 @@ import socket
 import sys
 
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT", "SIGTSTP")
+LAUNCHER_NET_ENV = "NBDIST_LAUNCHER_NET"  # the network namespace Hydra (and its control port) is in
 _rank_pid: list[int] = []
 _pending: list[int] = []
+
+
+def _own_network() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
 
 
 def main() -> None:
@@ -38,7 +46,8 @@ def main() -> None:
         sock.connect(path)
     except OSError as e:
         sys.exit(f"nbdist: the kernel's warm process does not answer at {path} ({e.strerror}); the rank did not start")
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
+    env = {**os.environ, LAUNCHER_NET_ENV: _own_network()}  # the rank is forked elsewhere: where Hydra is
+    request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "fds": fds}).encode()
     sock.sendmsg([len(request).to_bytes(4, "big") + request],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     # Every descriptor stays open here too, until this process ends as its rank did: Hydra takes a PMI socket

@@ -41,10 +41,15 @@ MAX_FDS = 253  # SCM_RIGHTS' limit per message
 _kept_from_kernel: list[object] = []  # the kernel's objects a rank must never close or collect
 
 
-def serve(listener: socket.socket, kernel_pid: int) -> None:
-    """The warm process's life (never returns): detach from the kernel's state, load, fork ranks on request."""
+def serve(listener: socket.socket, kernel_pid: int, private: bool = False) -> None:
+    """The warm process's life (never returns): detach from the kernel's state, load, fork ranks on request.
+    `private`: first into a network of its own (its ranks say, in their status, if the OS refused it)."""
     try:
         _die_with(kernel_pid)
+        if private:  # while this process has one thread, as a new user namespace requires
+            from nbdist.cluster.launching.ranks import private_net
+
+            private_net.enter()
         _name_process(f"{sys.executable} -m nbdist.cluster.launching.ranks.zygote {kernel_pid}")
         _detach_from_kernel(keep={listener.fileno()})
         _preload()

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 
-from nbdist.cluster.hosts.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, TOKEN_ENV, lines_from, split_address
+from nbdist.cluster.hosts.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, TOKEN_ENV, lines_from, open_connection
 from nbdist.debugging.ranks import recorder
 
 ASK = b"why"
@@ -51,9 +51,8 @@ def _serve(address: str, token: str, rank: int) -> None:
 
 
 def _connect(address: str, token: str, rank: int) -> socket.socket | None:
-    host, port = split_address(address)
     try:
-        sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+        sock = open_connection(address, HANDSHAKE_SECONDS)
         sock.sendall(f"{token} {socket.gethostname()} {os.getpid()} inspect {rank}\n".encode())
         said = sock.recv(len(ACCEPTED))
     except OSError:
