@@ -105,6 +105,33 @@ def parameters_list(params):
     return list(params)
 
 
+def other_tensors(params):  # passed the model's parameters, steps tensors of its own
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+
+
+def first_layer_only(params):  # the first Linear's weight and bias; the second Linear is left out
+    import torch
+
+    return torch.optim.SGD(list(params)[:2], lr=0.1)
+
+
+def stream_of_64():
+    """An iterable data set of 64 samples (no len()): a step of 128 would read each sample twice."""
+    import torch
+
+    from nbdist import data
+
+    x, y = data.regression(samples=64, inputs=8)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(x, y))
+
+    return Stream()
+
+
 def not_a_module():
     return 42
 
@@ -183,6 +210,18 @@ BAD_INPUTS = [  # (id, Trainer / fit options, the line)
     ("zero lr", dict(optimizer_fn=zero_lr), r"optimizer_fn's learning rate must be > 0, got lr=0\.0"),
     ("no optimizer", dict(optimizer_fn=parameters_list),
      r"optimizer_fn must return a torch\.optim\.Optimizer .*got list"),
+    ("an optimizer over other tensors", dict(optimizer_fn=other_tensors),
+     r"^optimizer_fn's optimizer holds none of the model's parameters \(it was passed them and steps other tensors\): "
+     r"training would leave the model unchanged; build it over the parameters it is passed"),
+    ("an optimizer over other tensors, pipeline", dict(optimizer_fn=other_tensors, plan=PIPELINE),
+     r"^optimizer_fn's optimizer holds none of the model's parameters"),
+    ("an optimizer over other tensors, tp zero 1", dict(optimizer_fn=other_tensors, plan={"tp": 2, "zero": 1}),
+     r"^optimizer_fn's optimizer holds none of the model's parameters"),
+    ("an optimizer over other tensors, local-sgd", dict(optimizer_fn=other_tensors, sync="local-sgd"),
+     r"^optimizer_fn's optimizer holds none of the model's parameters"),
+    ("batch_size over an iterable's samples", dict(data_fn=stream_of_64, batch_size=128),
+     r"^batch_size 128 is larger than data_fn stream_of_64's 64 samples \(one pass of the iterable\): a step would "
+     r"read some twice; give batch_size <= 64$"),
     ("no module", dict(model_fn=not_a_module), r"model_fn must return an nn\.Module .*got int"),
     ("no module, local-sgd", dict(model_fn=not_a_module, sync="local-sgd"),
      r"model_fn must return an nn\.Module, got int"),
@@ -221,6 +260,40 @@ def test_a_bad_input_is_one_line_and_the_cluster_trains_after(cluster, capfd, op
 
 def test_at_least_a_dozen_bad_inputs_are_covered():
     assert len(BAD_INPUTS) >= 12
+
+
+def test_an_optimizer_leaving_parameters_out_is_one_warning_line_before_training(cluster, capfd):
+    """Those it leaves out get gradients and never change: said once, before the first step; the rest trains."""
+    trainer = nbdist.Trainer(mlp, regression, mse, first_layer_only, cluster=cluster, batch_size=BATCH, live=False)
+    try:
+        capfd.readouterr()
+        before = trainer.state_dict()  # the first need of the ranks' side: built, and said, here
+        trainer.fit(steps=2)
+        out, err = capfd.readouterr()
+        assert out == "" and err == (
+            "warning: optimizer_fn's optimizer leaves out 2 of the model's trainable parameters (2.bias, 2.weight): "
+            "they get gradients and never change; build it over every parameter it is passed, or set "
+            "requires_grad=False on those it should not train\n"), err
+        after = trainer.state_dict()
+        assert sorted(k for k in before if torch.equal(before[k], after[k])) == ["2.bias", "2.weight"]
+    finally:
+        trainer.close()
+
+
+def test_a_pipeline_plan_without_microbatches_gets_a_valid_default(cluster):
+    """pp=2 with the Trainer's defaults (grad_accum 1, no micro-batches given): 1F1B refused one micro-batch; the
+    Trainer now picks 2·pp = 4 (micro-batches of 2 samples of the 8) and trains like microbatches=4 given."""
+    chosen = nbdist.Trainer(mlp, regression, mse, sgd, plan={"pp": 2}, cluster=cluster, batch_size=BATCH,
+                            live=False)
+    given = nbdist.Trainer(mlp, regression, mse, sgd, plan={"pp": 2, "microbatches": 4}, cluster=cluster,
+                           batch_size=BATCH, live=False)
+    try:
+        assert chosen.plan.microbatches == 4 and chosen.plan.schedule.name == "1f1b"
+        losses = [[r["loss"] for r in t.fit(steps=3)] for t in (chosen, given)]
+        assert losses[0] == losses[1] and all(math.isfinite(v) for v in losses[0]), losses
+    finally:
+        chosen.close()
+        given.close()
 
 
 # -- a loss that is not finite ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The Trainer's inputs checked in the kernel, before anything runs on the ranks: each problem is one line naming
 the argument, what it was and what it must be. What only the ranks can tell (the data set against the model, the
 loss function's result, a first step that fails) they say themselves, in one line too (training/ranks/inputs.py);
-`failure_line` turns what they returned into that line, and `nonfinite_line` says where a loss was not finite.
+`failure_line` turns what they returned into that line, `optimizer_lines` says what the optimizer leaves out of
+the model, and `nonfinite_line` says where a loss was not finite.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 from nbdist.checks import check_functions, whole_number  # noqa: F401 - check_functions: the Trainer's
 from nbdist.errors import DistUsageError, debugging
-from nbdist.training.replies import Failure, Fitted
+from nbdist.training.replies import Failure, Fitted, SetUp
 
 LIVE = (True, False, "always")
 
@@ -97,6 +98,28 @@ def failure_line(failures: dict[int, Failure]) -> str | None:
     if len(by_line) == 1:  # every rank that could tell said the same
         return next(iter(by_line))
     return "; ".join(f"{ranks_text(ranks)}: {line}" for line, ranks in by_line.items())
+
+
+SHOWN_NAMES = 4  # the parameters an optimizer leaves out, named before "and N more"
+
+
+def optimizer_lines(set_up: list[SetUp]) -> tuple[str | None, str | None]:
+    """(a refusal, a warning) from what every rank's set-up found of the optimizer against the model's trainable
+    parameters (ranks/inputs.optimizer_coverage), over the whole model: an optimizer that steps none of them would
+    train nothing, refused; one that leaves some out, one warning line naming them (freezing a part on purpose is
+    requires_grad=False, which no line is said for)."""
+    missing = sorted({name for r in set_up for name in r.unstepped})
+    if not missing:
+        return None, None
+    if not any(r.stepped for r in set_up):
+        return ("optimizer_fn's optimizer holds none of the model's parameters (it was passed them and steps other "
+                "tensors): training would leave the model unchanged; build it over the parameters it is passed, e.g. "
+                "torch.optim.Adam(params, lr=1e-3)"), None
+    shown = ", ".join(missing[:SHOWN_NAMES]) + (f" and {len(missing) - SHOWN_NAMES} more"
+                                                if len(missing) > SHOWN_NAMES else "")
+    return None, (f"optimizer_fn's optimizer leaves out {len(missing)} of the model's trainable parameters "
+                  f"({shown}): they get gradients and never change; build it over every parameter it is passed, or "
+                  f"set requires_grad=False on those it should not train")
 
 
 def ranks_text(ranks: list[int]) -> str:

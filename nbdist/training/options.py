@@ -119,3 +119,24 @@ def check(d: Data, o: Optimization, c: Checkpointing, world: int) -> None:
         raise DistUsageError(f"eval_batches={d.eval_batches} needs an eval_data_fn (the evaluation data set)")
     if o.clip is not None and not (isinstance(o.clip, (int, float)) and o.clip > 0):
         raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {o.clip!r}")
+
+
+def microbatches(plan: dict, grad_accum: int, batch_size: int) -> int:
+    """The micro-batches of a plan given as a dict: its own, else grad_accum's, else for a pipeline (pp > 1) a
+    count of its own: one per replica and step would leave a pipeline nothing to overlap, and 1F1B-style schedules
+    refuse fewer than pp. The choice is the count nearest 2·pp (the bubble's share, (pp-1)/(m+pp-1), falls from 1/3
+    at m = pp to 1/5 at 2·pp for pp = 2) that is at least pp, a multiple of pp for interleaved-1f1b, and divides each
+    replica's share of the batch into micro-batches of at least 2 samples (1 where none can; a BatchNorm cannot
+    train on 1); pp itself where nothing divides it (the batch's own check then says what does not divide)."""
+    pp, dp = plan.get("pp", 1), plan.get("dp", 1)
+    if "microbatches" in plan or grad_accum != 1 or not (_whole(pp) and pp > 1):
+        return grad_accum
+    dp = dp if _whole(dp) and dp > 0 else 1
+    share = batch_size // dp if batch_size % dp == 0 else 0
+    multiple = pp if plan.get("schedule") == "interleaved-1f1b" else 1
+    fits = [m for m in range(pp, share + 1) if share % m == 0 and m % multiple == 0]
+    return min(fits, key=lambda m: (share // m < 2, abs(m - 2 * pp), m), default=pp)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -33,6 +33,8 @@ class SetUp:
     rank: int
     length: int | None = None  # samples in the data set (None: an iterable data set, or a problem)
     problem: str | None = None  # the data sets, the replica's model and optimizer, or a sample do not fit
+    stepped: int = 0  # the model's trainable parameters on this rank that the optimizer steps
+    unstepped: tuple[str, ...] = ()  # and the names of those it does not (inputs.optimizer_coverage)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ class Trainer:
     Each option is given once: as one object per concern (nbdist.training.spec), or as keywords, each routed to
     its concern's object (training/options.py: the objects' field names; both for one concern is refused):
     - layout, `plan`: None (data parallel over every engine), a Layout or a dict of nbdist.shard's choices (dp,
-      tp, zero, ...), or a Plan;
+      tp, zero, ...), or a Plan; a pipeline (pp > 1) given no micro-batches gets a valid count of its own
+      (options.microbatches: about 2·pp);
     - `data=Data(batch_size=64, seed=0, eval_data_fn=None, eval_every=None, eval_batches=4)`;
     - `optimization=Optimization(precision="fp32", grad_accum=1, clip=None, lr_schedule=None, sync="allreduce",
       sync_options={}, on_nonfinite="stop")`: `sync` "allreduce" (the plan's own synchronous gradients),
@@ -139,7 +140,8 @@ class Trainer:
         if plan is None:
             return shard(model_fn, dp=world, microbatches=grad_accum, cluster=self.cluster, **example)
         if isinstance(plan, dict):
-            return shard(model_fn, **{"microbatches": grad_accum, **example, **plan}, cluster=self.cluster)
+            parts = options_of.microbatches(plan, grad_accum, self.data.batch_size)
+            return shard(model_fn, **{"microbatches": parts, **example, **plan}, cluster=self.cluster)
         if not isinstance(plan, Plan):
             raise DistUsageError(f"plan must be None, a Layout, a dict of nbdist.shard's choices or a Plan, got "
                                  f"{type(plan).__name__}")
@@ -192,9 +194,12 @@ class Trainer:
                 whole_replicas=whole, pipeline=pipeline)
             infos = self.cluster.run(on_ranks.setup, spec)
             said = inputs.failure_line({r.rank: Failure(r.problem) for r in infos if r.problem is not None})
-            if said:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
+            refused, warning = inputs.optimizer_lines(infos) if not said else (None, None)
+            if said or refused:  # the inputs do not fit (the same line on every rank): nothing is left on the ranks
                 self.cluster.run(on_ranks.close, self.id)
-                raise DistUsageError(said)
+                raise DistUsageError(said or refused)
+            if warning:  # before the first step: the parameters it names would never change
+                sys.stderr.write(f"warning: {warning}\n")
         except BaseException:
             _close(model, self.cluster)  # the plan's model was built on the ranks: free it with the failed build
             raise

@@ -63,9 +63,20 @@ class DataSource:
             raise InputError(f"{self.label}'s DataLoader makes batches of {self.loader_batch}, but the Trainer's "
                              f"batch_size is {batch_size}: give batch_size={self.loader_batch} (the global batch, "
                              f"dealt out over the replicas)")
-        if self.length is not None and batch_size > self.length:
-            raise InputError(f"batch_size {batch_size} is larger than {self.label}'s {self.length} samples: a step "
-                             f"would read some twice; give batch_size <= {self.length}")
+        length = self.length if self.length is not None else self._pass_length(batch_size)
+        if length is not None and batch_size > length:
+            one_pass = "" if self.length is not None else " (one pass of the iterable)"
+            raise InputError(f"batch_size {batch_size} is larger than {self.label}'s {length} samples{one_pass}: a "
+                             f"step would read some twice; give batch_size <= {length}")
+
+    def _pass_length(self, batch_size: int) -> int | None:
+        """An iterable's samples in one pass if it ends before `batch_size` (None: it has a whole batch or more).
+        Read anew up to one batch: a stream shorter than a batch would have each step read samples twice, counted
+        twice in its gradient, without a word (the map-style data sets are refused alike, by their length)."""
+        import itertools
+
+        seen = sum(1 for _ in itertools.islice(iter(self.data), batch_size))
+        return seen if seen < batch_size else None
 
     def share(self, step: int, batch_size: int, seed: int, replicas: int, replica: int):
         """Replica `replica`'s part of global batch `step`, collated (on CPU)."""

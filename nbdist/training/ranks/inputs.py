@@ -121,6 +121,37 @@ def finite_weights(model: nn.Module) -> bool:
         return all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
 
 
+def optimizer_coverage(model: nn.Module | None, optimizer) -> tuple[int, tuple[str, ...]]:
+    """How many of the model's trainable parameters on this rank the optimizer steps, and the names of those it
+    does not (the unsplit model's names, without DDP's `module.`). An optimizer_fn may ignore the parameters it is
+    passed and build an optimizer over other tensors: the model then gets gradients and never changes, without a
+    word from torch. ZeRO-1 over tensor-parallel parameters steps this replica's share through the optimizer the
+    function made for it (TensorParallelZero.inner); torch's ZeroRedundancyOptimizer builds its own from the class."""
+    if model is None or optimizer is None:
+        return 0, ()
+    from nbdist.data_parallel.ranks.zero_optimizer import TensorParallelZero
+
+    expected = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    stepping = optimizer
+    if isinstance(optimizer, TensorParallelZero):
+        import torch.distributed as dist
+
+        me = dist.get_rank(optimizer._group)
+        share = {id(p) for p, owner in zip(optimizer._params, optimizer._owner) if owner == me}
+        expected = {key: name for key, name in expected.items() if key in share}
+        stepping = optimizer.inner
+    held = {id(p) for group in (stepping.param_groups if stepping is not None else ()) for p in group["params"]}
+    missing = tuple(_unwrapped(name) for key, name in expected.items() if key not in held)
+    return len(expected) - len(missing), missing
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name as the user's model has it (DDP and torch.compile wrap it in `module.`, `_orig_mod.`)."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
 def prepare(seed: int, optimizer_fn: bytes) -> Prepared:
     """Before the model is built: every rank seeded alike, and the optimizer function tried on a stand-in parameter
     (inputs.optimizer_problem): the line that says what is wrong with it, or None, and the class it makes (what

@@ -371,7 +371,8 @@ def setup(spec) -> SetUp:
             trainer.runner.sync.close()
         return SetUp(boot().rank, problem=str(e))
     registry.put(KIND, spec.name, trainer)
-    return SetUp(trainer.rank, trainer.dataset.length)
+    stepped, unstepped = inputs.optimizer_coverage(trainer.runner.model, trainer.runner.optimizer)
+    return SetUp(trainer.rank, trainer.dataset.length, stepped=stepped, unstepped=unstepped)
 
 
 def fit(name: str, steps: int, publish_every: float | None) -> Fitted:
