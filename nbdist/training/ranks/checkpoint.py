@@ -3,11 +3,11 @@ plan, plus what makes a resume exact: the step (which fixes the data position an
 every rank's random number generators.
 
 Layout: <dir>/step_00000012/ holds DCP's files (.metadata and one file per writing rank), trainer.json (step,
-seed, world size, plan, each file's size) and rank<r>.rng (and rank<r>.replica in the replica modes). Every file is
-data, read as data (nbdist/training/checkpoint_data.py: weights_only, DCP's metadata through an allowlist). It is
-written under <dir>/step_00000012.partial and renamed when every rank has finished: a crash mid-write leaves a
-.partial folder, never a half-written step_* one, so the previous checkpoint stays whole and `latest()` never picks
-a broken one.
+seed, world size, plan, each file's size) and rank<r>.rng (and rank<r>.replica in the replica modes, rank<r>.zero1
+under ZeRO-1). Every file is data, read as data (nbdist/training/checkpoint_data.py: weights_only, DCP's metadata
+through an allowlist). It is written under <dir>/step_00000012.partial and renamed when every rank has finished: a
+crash mid-write leaves a .partial folder, never a half-written step_* one, so the previous checkpoint stays whole and
+`latest()` never picks a broken one.
 
 `get_state_dict` / `set_state_dict` give the model's and optimizer's state under the unsplit model's keys whatever
 wraps it (DDP, FSDP2, tensor-parallel DTensors), and DCP reshards on load: a checkpoint saved under one plan or
@@ -193,7 +193,10 @@ def load(trainer, path: str) -> int:
     settle(trainer, wait=True)
     try:
         meta = checkpoint_data.read_trainer(path)
-        reader = _data_only_reader()(path, checkpoint_data.read_metadata(path))
+        metadata = checkpoint_data.read_metadata(path)
+        for relative in sorted({str(info.relative_path) for info in metadata.storage_data.values()}):
+            checkpoint_data.regular(os.path.join(path, relative), relative)  # DCP opens them: a FIFO would hang it
+        reader = _data_only_reader()(path, metadata)
     except checkpoint_data.CheckpointFileError as e:
         raise UnreadableCheckpoint(str(e)) from None
     state = _state(trainer)
@@ -351,12 +354,18 @@ def _data_only_planner():
 
 
 def _cause(error: BaseException) -> str:
-    """The first failing rank's own error, without DCP's wrapping and traceback text."""
+    """The first failing rank's own error, without DCP's wrapping and traceback text; a tensor item torch's
+    weights-only unpickler refused is said in nbdist's words (checkpoint_data.refusal), not torch's, which recommend
+    weights_only=False."""
+    import pickle
+
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))
         if isinstance(error, tuple):  # (exception, traceback)
             error = error[0]
+    if isinstance(error, pickle.UnpicklingError):
+        return str(checkpoint_data.refusal(error, "a tensor item of DCP's .distcp files"))
     text = " ".join(str(error).split())
     return type(error).__name__ + (f": {text[:200]}" if text else " (a file of it ends early or is corrupt)")
 
