@@ -57,17 +57,16 @@ print(json.dumps(found))
 """
 
 
-def _cluster_processes() -> list[psutil.Process]:
-    me = psutil.Process()
-    return [me] + me.children(recursive=True)
-
-
 def _listening(processes: list[psutil.Process]) -> list[str]:
     """What the processes listen on as this host's network sees it (ss: TCP, UDP, Unix)."""
     pids = {p.pid for p in processes}
     out = subprocess.run(["ss", "-lntuxp"], capture_output=True, text=True, check=True).stdout
     return [" ".join(line.split()[:5]) for line in out.splitlines()
             if any(f"pid={pid}," in line for pid in pids)]
+
+
+def _folder(cluster) -> str:
+    return cluster._launched.cluster.profile_dir
 
 
 def _neighbour() -> pwd.struct_passwd:
@@ -80,18 +79,23 @@ def _neighbour() -> pwd.struct_passwd:
         return pwd.getpwnam(NEIGHBOUR)
 
 
+def _cluster_listening(cluster) -> list[str]:
+    """What the cluster's processes listen on, and the lifeline server this process serves for it."""
+    return _listening(cluster.processes()) + [line for line in _listening([psutil.Process()]) if _folder(cluster) in line]
+
+
 def test_a_cluster_on_one_host_listens_on_no_port_of_this_host(cluster):
-    listening = _listening(_cluster_processes())
+    listening = _cluster_listening(cluster)
     ports = [line for line in listening if line.split()[0] in ("tcp", "udp")]
     abstract = [line for line in listening if "@" in line]
     assert not ports and not abstract, "\n".join(listening)
     folders = {os.path.dirname(line.split()[4]) for line in listening}
-    assert folders and all(os.stat(folder).st_mode & 0o077 == 0 for folder in folders), folders
+    assert _folder(cluster) in folders and all(os.stat(f).st_mode & 0o077 == 0 for f in folders), folders
 
 
 def test_another_user_reaches_nothing_and_cannot_end_the_job(cluster):
     neighbour = _neighbour()
-    sockets = sorted({line.split()[4] for line in _listening(_cluster_processes())})
+    sockets = sorted({line.split()[4] for line in _cluster_listening(cluster)})
 
     def hydra_ports():
         from nbdist.cluster.hosts.ranks import addresses
@@ -143,12 +147,13 @@ def test_without_cap_net_admin_the_cluster_still_gets_a_network_of_its_own(fork)
 
 
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "launched"])
-def test_where_the_os_refuses_the_namespace_the_start_goes_on_and_says_what_is_open(fork):
+def test_where_the_os_refuses_the_namespace_the_start_goes_on_and_says_what_is_open(fork, tmp_path):
     if shutil.which("unshare") is None:
         pytest.fail("unshare (util-linux) is needed to turn user namespaces off for one kernel")
     turned_off = ["unshare", "--user", "--map-root-user", "sh", "-c",
                   'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
-    lines = _open_lines(_run_kernel(turned_off, fork))
+    # the kernel is root in that namespace: its clusters' folder must be one it owns there
+    lines = _open_lines(_run_kernel(turned_off, fork, {"NBDIST_CLUSTER_DIR": str(tmp_path / "clusters")}))
     why = "(no private network namespace: the OS refuses a private network namespace: user namespaces are turned " \
           "off or used up (sysctl user.max_user_namespaces))"
     assert len(lines) == 2, lines

@@ -233,13 +233,13 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     until every engine has registered. `while_waiting()` is called instead of sleeping in that wait, until it
     returns False (the kernel has nothing else to do meanwhile: api.Cluster.start loads modules in it)."""
     deadline = time.monotonic() + options.timeout
-    cluster_files.own_profile_root()  # before any process: one line where the cluster's folder cannot be had
+    root = cluster_files.own_profile_root()  # before any process: one line where the cluster's folder cannot be had
     allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
     warm_process = None
     try:
         kernel_address = options.kernel_address(allocation)
         one_host = kernel_address == addresses.LOOPBACK and allocation is None
-        refused = privacy.private_net_refused() if one_host else None
+        refused = privacy.private_net_refused(root) if one_host else None
         if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
             warm_process = _warm_or_none(one_host and refused is None)  # first: it loads what ranks need while
             # the controller starts

@@ -20,14 +20,25 @@ from nbdist.cluster.launching.ranks.private_net import KERNEL_NET_ENV, REFUSED_E
 
 PRIVATE_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks", "private_net.py")
 PRIVATE_NET_ENV = "NBDIST_PRIVATE_NET"  # "0": no private network namespace (a site where one breaks something)
-SOCKET_PATH_MAX = 100  # a Unix socket's path is at most 107 bytes on Linux; ZeroMQ adds "-PORT"
+SOCKET_PATH_MAX = 107  # the longest path of a Unix socket on Linux (sun_path's 108 bytes, less the final NUL)
 
 
-def private_net_refused() -> str | None:
-    """Why a one-host cluster cannot have a network of its own here, or None where it can."""
+def private_net_refused(root: str) -> str | None:
+    """Why a one-host cluster whose folder will be made in `root` cannot have a network of its own here, or None
+    where it can. Its ranks then reach the kernel through socket files in that folder, whose path must fit."""
     if os.environ.get(PRIVATE_NET_ENV) == "0":
         return f"{PRIVATE_NET_ENV}=0 turns it off"
+    longest = len(_socket_path(os.path.join(root, "cluster-XXXXXXXX")))
+    if longest > SOCKET_PATH_MAX:
+        return (f"the cluster's folder {root} is too long a path for its socket files ({longest} > "
+                f"{SOCKET_PATH_MAX} bytes): set NBDIST_CLUSTER_DIR to a shorter one")
     return _probe()
+
+
+def _socket_path(profile_dir: str) -> str:
+    """The longest socket file of a cluster's folder: ZeroMQ's IPC address and a port (controller.py; the
+    lifeline server's, "lifeline", is shorter)."""
+    return os.path.join(profile_dir, "zmq") + ":65535"
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,14 +60,13 @@ def wrapped(mpiexec: str, private: bool) -> list[str]:
 def controller_address(profile_dir: str, one_host: bool, kernel_address: str) -> tuple[str, str]:
     """(transport, address) of the controller's sockets: IPC files in the cluster's folder on one host (where the
     path fits a Unix socket's), else TCP on `kernel_address`."""
-    path = os.path.join(profile_dir, "zmq")
-    if one_host and len(path) + len("-65535") <= SOCKET_PATH_MAX:
-        return "ipc", path
+    if one_host and len(_socket_path(profile_dir)) <= SOCKET_PATH_MAX:
+        return "ipc", os.path.join(profile_dir, "zmq")
     return "tcp", kernel_address
 
 
 def lifeline_path(profile_dir: str, one_host: bool) -> str | None:
-    path = os.path.join(profile_dir, "lifeline.sock")
+    path = os.path.join(profile_dir, "lifeline")
     return path if one_host and len(path) <= SOCKET_PATH_MAX else None
 
 
