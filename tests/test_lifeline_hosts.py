@@ -186,6 +186,40 @@ def test_the_controllers_connection_info_reaches_every_lifeline_once_before_or_a
         server.close()
 
 
+def test_across_hosts_the_lifeline_is_tls_to_the_pinned_certificate_and_the_token_stays_out_of_the_environment(
+        tmp_path):
+    """The server made for engines on other hosts speaks TLS 1.3 only; a process holds its lifeline once the server
+    shows the certificate pinned in its environment (public) and accepts its token (which the environment mpiexec
+    sends does not hold); a server showing another certificate is never told the token."""
+    from nbdist.cluster.hosts.lifeline_server import serve
+
+    server = serve("127.0.0.1", token_file=str(tmp_path / "token"))
+    impostor = serve("127.0.0.1", token_file=str(tmp_path / "other"))
+    env = server.environment()
+    assert "NBDIST_LIFELINE_TOKEN" not in env and len(env["NBDIST_LIFELINE_TLS"]) == 64
+    assert (tmp_path / "token").read_text() == server.token and oct((tmp_path / "token").stat().st_mode)[-3:] == "600"
+    good = _watched({**env, **server.secret_environment(), "NBDIST_KERNEL_HOST": "kernel-elsewhere"}, _gone_pid())
+    fooled = _watched({**env, **server.secret_environment(), "NBDIST_KERNEL_HOST": "kernel-elsewhere",
+                       "NBDIST_LIFELINE_ADDR": impostor.address}, _gone_pid())
+    try:
+        assert good.stdout.readline().strip() == "running" and _wait_for(lambda: server.held() == 1)
+        plain = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        plain.sendall(server.token.encode() + b" elsewhere 1\n")  # the right token, in clear: not TLS, dropped
+        try:
+            said = plain.recv(16)
+        except ConnectionResetError:  # closed with the unread line still in its buffer
+            said = b""
+        assert said == b"" and server.held() == 1
+        code, _ = _exit_within(fooled, 20.0)
+        assert code == 3 and impostor.held() == impostor.pending() == 0
+        assert "certificate is not the kernel's" in fooled.stderr.read()
+    finally:
+        _end(good, fooled)
+        server.close()
+        impostor.close()
+    assert not (tmp_path / "token").exists()
+
+
 def test_an_unreachable_server_ends_the_process_with_one_line_naming_it(closed_port):
     port = closed_port
     env = {"NBDIST_KERNEL_HOST": "kernel-elsewhere", "NBDIST_LIFELINE_ADDR": f"127.0.0.1:{port}",
@@ -230,38 +264,35 @@ def _lifeline_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name == THREAD_NAME)
 
 
-def _listening_ports() -> set[int]:
-    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
-
-
 def _engines(procs: list[psutil.Process]) -> list[psutil.Process]:
     """The ranks themselves (mpiexec's command line names the engine module too; a rank forked from the kernel shows
     its command line as one string: cluster/launching/ranks/zygote.py)."""
     return [p for p in procs if " ".join(p.cmdline()).split()[1:3] == ["-m", "nbdist.cluster.launching.ranks.main"]]
 
 
-def _lifeline_links(engine: psutil.Process, port: int) -> int:
-    """How many connections this engine holds to the kernel's lifeline server on `port`."""
-    connected = [c for c in engine.net_connections("tcp") if c.status == "ESTABLISHED" and c.raddr]
-    return sum(1 for c in connected if c.raddr.port == port)
-
-
-def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[int, list[int], int]:
-    """Start a real 2-engine cluster, return its lifeline port, each engine's connections to it (its lifeline, if it
-    holds one, and its inspector's line: cluster/waiting/ranks/inspector.py) and how many lifelines the server holds; stop it."""
+def _run_cluster(mpi_args: tuple[str, ...]) -> tuple[str, list[int], int]:
+    """Start a real 2-engine cluster, return its lifeline's socket file (one host: in the cluster's 0700 folder), how
+    many lines each engine holds to it (its lifeline, if it holds one, and its inspector's line:
+    cluster/waiting/ranks/inspector.py, counted at the server by the engine's pid) and how many lifelines the
+    server holds; stop it."""
     import nbdist
-    from nbdist.cluster.hosts.lifeline import ADDRESS_ENV
+    from nbdist.cluster.hosts.lifeline import ADDRESS_ENV, UNIX_PREFIX
 
     threads = _lifeline_threads()
     with nbdist.Cluster(nbdist.cluster.options.ClusterOptions(n=2, mpi_args=mpi_args)) as c:
         assert c.run(lambda: 7) == [7, 7]
         engines = _engines(c.processes())
-        port = int(c._launched.lifeline.environment()[ADDRESS_ENV].rpartition(":")[2])
-        assert port in _listening_ports() and _lifeline_threads() == threads + 1
-        links = [_lifeline_links(e, port) for e in engines]
-        held = c._launched.lifeline.held()
-    assert _lifeline_threads() == threads and port not in _listening_ports()  # stop closed the server
-    return port, links, held
+        server = c._launched.lifeline
+        address = server.environment()[ADDRESS_ENV]
+        assert address.startswith(UNIX_PREFIX) and os.path.exists(address[len(UNIX_PREFIX):])
+        assert _lifeline_threads() == threads + 1
+        assert _wait_for(lambda: len(server._inspectors) == len(engines))
+        with server._lock:
+            lines = [pid for _, pid in list(server._by_process) + list(server._inspectors)]
+        links = [lines.count(e.pid) for e in engines]
+        held = server.held()
+    assert _lifeline_threads() == threads and not os.path.exists(address[len(UNIX_PREFIX):])  # stop closed it
+    return address, links, held
 
 
 def test_a_single_host_cluster_serves_a_lifeline_no_engine_needs_and_stop_closes_it():

@@ -7,8 +7,14 @@ Two ways to notice, chosen by host name (the kernel's travels in the environment
 - on the kernel's host, watch its pid: a pidfd makes that instant (elsewhere we poll);
 - on another host that pid means nothing, so hold a TCP connection to the kernel's lifeline server
   (cluster/hosts/lifeline_server.py) instead: the OS closes the kernel's sockets when it dies, even by SIGKILL, and the
-  connection's end is the signal. A random token in the environment tells a lifeline from a stray connection. The
-  same connection brings the kernel's signals to a process on another host (a signal number per line).
+  connection's end is the signal. A random token tells a lifeline from a stray connection. The same connection
+  brings the kernel's signals to a process on another host (a signal number per line).
+
+Across hosts the connection is TLS: the kernel's certificate, made for the cluster, is pinned by its SHA-256 (public,
+in the environment), and the token and what comes back (the controller's connection info and keys) are never in
+clear on the wire. The token itself does not travel in the engines' environment there (mpiexec hands that to its
+proxies in clear): ssh brings it (cluster/hosts/token_launcher.py); on the kernel's host it is a file of the
+cluster's 0700 folder.
 
 Before it ends its process, a lifeline on the kernel's host also removes the cluster's own profile directory
 (connection files, logs), which a SIGKILLed kernel cannot remove itself: a directory is removed only if its owner
@@ -33,6 +39,8 @@ WATCH_ENV = "NBDIST_KERNEL_PID"
 HOST_ENV = "NBDIST_KERNEL_HOST"  # the kernel's host name (socket.gethostname())
 ADDRESS_ENV = "NBDIST_LIFELINE_ADDR"  # "host:port" of the kernel's lifeline server
 TOKEN_ENV = "NBDIST_LIFELINE_TOKEN"  # what a lifeline says first, so the server can tell it from a stray connection
+TOKEN_FILE_ENV = "NBDIST_LIFELINE_TOKEN_FILE"  # where the token is on the kernel's host (a path: no secret)
+TLS_ENV = "NBDIST_LIFELINE_TLS"  # SHA-256 of the lifeline server's certificate (public): the server speaks TLS
 PROFILE_ENV = "IPP_PROFILE_DIR"  # ipyparallel tells the controller and the engines their profile directory here
 OWNER_FILE = "nbdist-kernel"  # in a cluster's profile directory: "<kernel pid> <kernel start time>"
 
@@ -65,11 +73,26 @@ def remove_if_owned_by(profile_dir: str | None, pid: int) -> None:
 UNIX_PREFIX = "unix:"  # an address of a server on the kernel's host: its socket file, in the cluster's 0700 folder
 
 
+def token() -> str:
+    """The cluster's lifeline token: from the environment (one host; ssh put it there on other hosts), else from
+    its file on the kernel's host (engines there, in a cluster over several hosts)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    try:
+        with open(os.environ.get(TOKEN_FILE_ENV) or os.devnull) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def open_connection(address: str, timeout: float) -> socket.socket:
-    """A connection to the lifeline server at `address`: "host:port", or "unix:PATH" for a cluster on one host (a
-    file only this user reaches, and reached by path whatever network namespace the ranks are in)."""
+    """A connection to the lifeline server at `address`: "host:port" (over TLS where the server's certificate is
+    pinned in the environment), or "unix:PATH" for a cluster on one host (a file only this user reaches, and
+    reached by path whatever network namespace the ranks are in)."""
     if not address.startswith(UNIX_PREFIX):
-        return socket.create_connection(split_address(address), timeout=timeout)
+        sock = socket.create_connection(split_address(address), timeout=timeout)
+        pinned = os.environ.get(TLS_ENV)
+        return _over_tls(sock, pinned) if pinned else sock
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -78,6 +101,28 @@ def open_connection(address: str, timeout: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _over_tls(sock: socket.socket, pinned: str) -> socket.socket:
+    """`sock` wrapped in TLS 1.3, once the server has shown the certificate whose SHA-256 is `pinned` (the kernel
+    made it for this cluster: no certificate authority is asked, and no other server is believed)."""
+    import hashlib
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # checked below, against the pin, which is stronger than a CA's word
+    try:
+        wrapped = context.wrap_socket(sock)
+    except BaseException:
+        sock.close()
+        raise
+    shown = hashlib.sha256(wrapped.getpeercert(binary_form=True) or b"").hexdigest()
+    if shown != pinned:
+        wrapped.close()
+        raise ssl.SSLError(f"the server's certificate is not the kernel's (SHA-256 {shown[:16]}...)")
+    return wrapped
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -110,6 +155,9 @@ def _end(pid: int | None, on_kernel_host: bool) -> NoReturn:
     """The one way out: tidy what only the kernel's host can tidy, take our helpers along, exit hard."""
     if on_kernel_host and pid is not None:
         remove_if_owned_by(os.environ.get(PROFILE_ENV), pid)
+    from nbdist.cluster.launching import mpi_segments
+
+    mpi_segments.unlink_mapped()  # a rank's MPICH files: MPI_Finalize, which would remove them, never comes
     if os.getpgid(0) == os.getpid():  # a group leader (the controller) takes its helpers with it
         os.killpg(0, signal.SIGKILL)
     os._exit(EXIT_CODE)
@@ -227,7 +275,7 @@ def start(pid: int | None = None) -> None:
         pid = int(os.environ[WATCH_ENV])
     address = os.environ.get(ADDRESS_ENV)
     if address and not on_kernel_host():
-        target, args = _exit_when_closed, (address, os.environ.get(TOKEN_ENV, ""), pid)
+        target, args = _exit_when_closed, (address, token(), pid)
     elif pid is not None:
         target, args = _exit_when_gone, (pid,)
     else:

@@ -23,16 +23,28 @@ files stay bounded and an engine, which says its token as soon as it connects, s
 Python are not inherited by child processes (PEP 446), so mpiexec and the controller never hold the kernel's end
 open after the kernel has died.
 
-Kernel side; standard library only, besides nbdist's error type.
+Across hosts the server speaks TLS 1.3 only, with a certificate and key made for the cluster (`openssl`, the
+command; the key never touches the disk for longer than it takes to load it): the token, the signals and the
+controller's connection info and keys are never in clear on the wire. The engines pin the certificate by its SHA-256,
+which travels in their environment (public), while the token does not: mpiexec hands that environment to its
+proxies in clear, so `secret_environment()` is for a private channel only (cluster/hosts/token_launcher.py: ssh).
+On one host the socket file in the cluster's 0700 folder needs neither.
+
+Kernel side; standard library only (and the `openssl` command across hosts), besides nbdist's error type.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
 import secrets
 import selectors
+import shutil
 import socket
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -41,7 +53,9 @@ from nbdist.cluster.hosts.lifeline import (
     ADDRESS_ENV,
     HANDSHAKE_SECONDS,
     HOST_ENV,
+    TLS_ENV,
     TOKEN_ENV,
+    TOKEN_FILE_ENV,
     WATCH_ENV,
     UNIX_PREFIX,
     keep_alive,
@@ -57,18 +71,29 @@ MAX_PENDING = 64  # connections not yet past the token at once; beyond, the olde
 class LifelineServer:
     """Holds the engines' lifeline connections for one cluster; `close()` ends them all and the thread."""
 
-    def __init__(self, host: str = "127.0.0.1", handshake_seconds: float = HANDSHAKE_SECONDS, path: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", handshake_seconds: float = HANDSHAKE_SECONDS, path: str | None = None,
+                 token_file: str | None = None, tls: bool = False):
         self.token = secrets.token_hex(16)
         self.handshake_seconds = handshake_seconds
+        self.token_file = token_file
+        self._tls: ssl.SSLContext | None = None
+        self.fingerprint = ""  # SHA-256 of the TLS certificate, where the server speaks TLS
         if path is not None:  # a cluster on one host: a socket file in its 0700 folder, not a port every user reaches
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(path)
             self._listener.listen(128)
             self.address = f"{UNIX_PREFIX}{path}"
         else:
+            if tls:  # toward other hosts: nothing it carries is read on the way
+                self._tls, self.fingerprint = _tls_context()
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._listener = socket.create_server((host, 0), family=family, backlog=128)
             self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        if token_file is not None:  # for the engines on the kernel's host, and the launcher that brings it elsewhere
+            descriptor = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as f:
+                f.write(self.token)
+        self._io = threading.Lock()  # a TLS connection is not to be read and written from two threads at once
         self._wake_read, self._wake_write = socket.socketpair()
         self._pending: dict[socket.socket, tuple[float, bytes]] = {}  # no token yet: (deadline, what it said so far)
         self._held: set[socket.socket] = set()
@@ -90,13 +115,26 @@ class LifelineServer:
         return self._listener.getsockname()[1]
 
     def environment(self) -> dict[str, str]:
-        """What an engine needs to hold its lifeline: the kernel's pid and host name, this server and the token."""
-        return {
+        """What an engine needs to hold its lifeline: the kernel's pid and host name, this server, and the token on
+        one host. Across hosts the token stays out (mpiexec sends this environment to its proxies in clear): the
+        certificate's SHA-256 and the token file's path on the kernel's host go instead, neither of them a secret."""
+        env = {
             WATCH_ENV: str(os.getpid()),
             HOST_ENV: socket.gethostname(),
             ADDRESS_ENV: self.address,
-            TOKEN_ENV: self.token,
         }
+        if self._tls is None:
+            env[TOKEN_ENV] = self.token
+        else:
+            env[TLS_ENV] = self.fingerprint
+        if self.token_file is not None:
+            env[TOKEN_FILE_ENV] = self.token_file
+        return env
+
+    def secret_environment(self) -> dict[str, str]:
+        """The token, for a channel that is itself private (ssh: cluster/hosts/token_launcher.py); never for
+        mpiexec's environment across hosts."""
+        return {TOKEN_ENV: self.token}
 
     def held(self) -> int:
         """How many lifelines (connections that said the token) are held now."""
@@ -116,7 +154,8 @@ class LifelineServer:
         if conn is None:
             return False
         try:
-            conn.send(f"{number}\n".encode())  # a few bytes into a nearly empty send buffer: never blocks
+            with self._io:
+                conn.send(f"{number}\n".encode())  # a few bytes into a nearly empty send buffer: never blocks
         except OSError:
             return False
         return True
@@ -129,7 +168,7 @@ class LifelineServer:
             self._engine_connection = line
             held = list(self._held)
         for conn in held:
-            _send(conn, line)
+            self._send(conn, line)
 
     def lost(self) -> set[tuple[str, int]]:
         """(host, pid) of every process whose lifeline ended while the cluster ran: it exited, or its host died or
@@ -146,7 +185,7 @@ class LifelineServer:
                 self._reports.pop(process, None)
         for conn in lines.values():
             if conn is not None:
-                _send(conn, b"why\n")
+                self._send(conn, b"why\n")
         deadline = time.monotonic() + timeout
         asked = [process for process, conn in lines.items() if conn is not None]
         with self._reported:
@@ -167,6 +206,20 @@ class LifelineServer:
         except OSError:
             pass
         self._thread.join(timeout)
+        if self.token_file is not None:
+            try:
+                os.remove(self.token_file)
+            except OSError:
+                pass
+
+    def _send(self, conn: socket.socket, line: bytes) -> None:
+        """A line (under a kilobyte) into a lifeline's nearly empty send buffer; a lifeline that has gone is the
+        server thread's to drop."""
+        try:
+            with self._io:
+                conn.sendall(line)
+        except OSError:
+            pass
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
@@ -193,8 +246,15 @@ class LifelineServer:
         if sock is self._listener:
             self._accept(selector)
             return
+        if isinstance(sock, ssl.SSLSocket) and sock in self._pending and not self._handshaken(selector, sock):
+            return
         try:
-            data = sock.recv(4096)
+            with self._io:
+                data = sock.recv(4096)
+                while isinstance(sock, ssl.SSLSocket) and sock.pending():  # TLS keeps what the record held
+                    data += sock.recv(sock.pending())
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return  # part of a TLS record: the rest is on its way
         except OSError:
             data = b""
         if not data:  # the other end has gone (an engine exited, or a stray client hung up)
@@ -215,12 +275,26 @@ class LifelineServer:
                 self._reports[process] = lines[-1]
                 self._reported.notify_all()
 
+    def _handshaken(self, selector: selectors.BaseSelector, conn: ssl.SSLSocket) -> bool:
+        """Advance a TLS handshake (non-blocking); True once it is done. A peer that fails it is dropped."""
+        try:
+            with self._io:
+                conn.do_handshake()
+            return True
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+        except OSError:  # not TLS, or not TLS 1.3: a scanner, a stray client
+            self._drop(selector, conn)
+            return False
+
     def _accept(self, selector: selectors.BaseSelector) -> None:
         try:
             conn, _ = self._listener.accept()
         except OSError:
             return
         conn.setblocking(False)
+        if self._tls is not None:
+            conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         with self._lock:
             oldest = next(iter(self._pending)) if len(self._pending) >= MAX_PENDING else None
             self._pending[conn] = (time.monotonic() + self.handshake_seconds, b"")
@@ -244,7 +318,8 @@ class LifelineServer:
             self._drop(selector, conn)
             return
         try:
-            conn.send(ACCEPTED)  # three bytes into an empty send buffer: never blocks
+            with self._io:
+                conn.send(ACCEPTED)  # three bytes into an empty send buffer: never blocks
         except OSError:
             self._drop(selector, conn)
             return
@@ -261,7 +336,7 @@ class LifelineServer:
             published = self._engine_connection
         keep_alive(conn)  # a host that vanishes without closing anything is noticed here too
         if published:
-            _send(conn, published)
+            self._send(conn, published)
 
     def _drop_late(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -300,13 +375,26 @@ class LifelineServer:
         selector.close()
 
 
-def _send(conn: socket.socket, line: bytes) -> None:
-    """A line (under a kilobyte) into a lifeline's nearly empty send buffer; a lifeline that has gone is the
-    server thread's to drop."""
-    try:
-        conn.sendall(line)
-    except OSError:
-        pass
+def _tls_context() -> tuple[ssl.SSLContext, str]:
+    """A TLS 1.3 server context with a certificate and key made now for this cluster (EC P-256, self-signed: the
+    engines pin it), and the certificate's SHA-256. The key is loaded and its file removed at once."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise DistUsageError("engines on other hosts need the openssl command on PATH here: it makes the TLS "
+                             "certificate of the kernel's lifeline server (apt-get install openssl)")
+    with tempfile.TemporaryDirectory(prefix="nbdist-tls-") as folder:  # 0700
+        key, cert = os.path.join(folder, "key.pem"), os.path.join(folder, "cert.pem")
+        made = subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                               "-nodes", "-days", "30", "-subj", "/CN=nbdist-lifeline", "-keyout", key, "-out", cert],
+                              capture_output=True, text=True, timeout=30)
+        if made.returncode != 0:
+            raise DistUsageError(f"openssl could not make the lifeline's TLS certificate: {made.stderr.strip()[-200:]}")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.load_cert_chain(cert, key)
+        with open(cert) as f:
+            fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(f.read())).hexdigest()
+    return context, fingerprint
 
 
 def _parsed(line: bytes | None) -> dict | None:
@@ -316,11 +404,13 @@ def _parsed(line: bytes | None) -> dict | None:
         return None
 
 
-def serve(host: str, path: str | None = None) -> LifelineServer:
+def serve(host: str, path: str | None = None, token_file: str | None = None) -> LifelineServer:
     """A lifeline server for one cluster, listening on `host`, the address the cluster's engines reach the kernel
-    by (ClusterOptions.kernel_address), or on socket file `path` where every engine is on the kernel's host."""
+    by (ClusterOptions.kernel_address), or on socket file `path` where every engine is on the kernel's host.
+    `token_file` (a cluster over several hosts): where the engines on the kernel's host find the token, in the
+    cluster's folder; the server then speaks TLS."""
     try:
-        return LifelineServer(host, path=path)
+        return LifelineServer(host, path=path, token_file=token_file, tls=path is None and token_file is not None)
     except OSError as e:
         raise DistUsageError(
             f"cannot serve the engines' lifeline on {host!r} ({e}): set {MASTER_ADDR_ENV} to an address of this host"

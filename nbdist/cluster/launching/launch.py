@@ -16,6 +16,11 @@ on the kernel's host watch its pid; engines on other hosts hold a connection to 
 (cluster/hosts/lifeline_server.py), which runs from just before the engines start until they are stopped.
 
 Each cluster runs in its own IPython profile directory, removed at stop (cluster/launching/files.py).
+
+Across hosts nothing secret crosses the network in clear (docs/security.md): the controller speaks CurveZMQ and
+admits only the kernel's client and the engines, by keys the kernel makes for each cluster (`CurveKeys`); the
+lifeline is TLS; and its token, which mpiexec would hand to its proxies in clear if it were in the engines'
+environment, reaches the other hosts through ssh's own channel instead (`_launch_args_with_token`).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -34,11 +40,12 @@ from typing import Callable
 import ipyparallel as ipp
 import psutil
 
-from nbdist.cluster.hosts import lifeline_server, slurm
+from nbdist.cluster.hosts import lifeline_server, slurm, token_launcher
 from nbdist.cluster.launching import files as cluster_files
 from nbdist.cluster.hosts.ranks import addresses
 from nbdist.cluster.launching import mpi_segments, privacy, warm
-from nbdist.cluster.launching.ranks.main import START_TIMEOUT_ENV
+from nbdist.cluster.launching import controller as controller_main
+from nbdist.cluster.launching.ranks.main import ENGINE_KEYS, ENGINE_KEYS_ENV, START_TIMEOUT_ENV
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.waiting import deaths
 from nbdist.errors import DistError
@@ -82,6 +89,43 @@ class Launched:
             self.lifeline.close()  # lifelines, racing our own kills
         if self.allocation is not None:  # after the engines: giving it back first would end them under us
             self.allocation.release()
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A cluster's CurveZMQ keypairs (Z85), made by the kernel: its client's and the engines'. The controller makes its
+    own and admits these two public keys only; the engines' secret key reaches them over private channels only
+    (the lifeline's TLS; a file of the cluster's 0700 folder on the kernel's host)."""
+
+    client: tuple[bytes, bytes]
+    engines: tuple[bytes, bytes]
+
+    @classmethod
+    def new(cls) -> "CurveKeys":
+        import zmq
+
+        return cls(zmq.curve_keypair(), zmq.curve_keypair())
+
+    def admit_arg(self) -> str:
+        return controller_main.ADMIT_FLAG + ",".join(k[0].decode("ascii") for k in (self.client, self.engines))
+
+    def engine_keys(self) -> list[str]:
+        return [key.decode("ascii") for key in self.engines]
+
+    def write_engine_keys(self, folder: str) -> str:
+        """The engines' keypair in a file only this user reads, for the engines on the kernel's host."""
+        path = os.path.join(folder, "engine-keys.json")
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump(self.engine_keys(), f)
+        return path
+
+
+class _KeyedClient(ipp.Client):
+    """ipyparallel's client with the keypair the controller admits (it would make a random one, refused there)."""
+
+    def __init__(self, *args, curve_keys: tuple[bytes, bytes], **kwargs):
+        self.curve_publickey, self.curve_secretkey = curve_keys
+        super().__init__(*args, **kwargs)
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -128,16 +172,19 @@ def _warm_or_none(private: bool) -> warm.WarmProcess | None:
 def _new_cluster(options: ClusterOptions, kernel_address: str, one_host: bool) -> ipp.Cluster:
     profile_dir = cluster_files.new_profile_dir()
     try:
-        return _ipp_cluster(options, profile_dir, *privacy.controller_address(profile_dir, one_host, kernel_address))
+        return _ipp_cluster(options, profile_dir, *privacy.controller_address(profile_dir, one_host, kernel_address),
+                            curve=not one_host)
     except BaseException:  # e.g. an error in the user's ipcluster_config.py
         shutil.rmtree(profile_dir, ignore_errors=True)
         raise
 
 
-def _ipp_cluster(options: ClusterOptions, profile_dir: str, transport: str, address: str) -> ipp.Cluster:
+def _ipp_cluster(options: ClusterOptions, profile_dir: str, transport: str, address: str,
+                 curve: bool = False) -> ipp.Cluster:
     """The controller listens on Unix sockets in the cluster's folder for engines on this host (privacy.py), and on
-    the kernel's address toward the other hosts when engines run there (its messages stay signed with the
-    cluster's key, as ipyparallel signs them)."""
+    the kernel's address toward the other hosts when engines run there, with CurveZMQ (`curve`): every message
+    encrypted, and only the peers the kernel names admitted (controller.admit_only). CurveZMQ authenticates each
+    connection, so ipyparallel then signs no message with the HMAC key (its connection files hold an empty one)."""
     cluster = ipp.Cluster(
         profile_dir=profile_dir,
         cluster_file="",  # nbdist keeps the cluster in the kernel; no file for others to find (and none to race)
@@ -154,7 +201,7 @@ def _ipp_cluster(options: ClusterOptions, profile_dir: str, transport: str, addr
             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
             f"--IPController.transport={transport}",
             f"--IPController.ip={address}",
-        ],
+        ] + (["--IPController.enable_curve=True"] if curve else []),
     )
     cluster.log.addFilter(_already_removed)  # its launchers log through it
     return cluster
@@ -251,11 +298,19 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
             allocation.release()
         raise
     launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
+    keys = None if one_host else CurveKeys.new()
     try:
         lifeline = launched.lifeline = lifeline_server.serve(
-            kernel_address, privacy.lifeline_path(cluster.profile_dir, one_host))
+            kernel_address, privacy.lifeline_path(cluster.profile_dir, one_host),
+            token_file=None if one_host else os.path.join(cluster.profile_dir, "lifeline-token"))
         watched = [sys.executable, "-m", "nbdist.cluster.hosts.lifeline", str(os.getpid())]
-        cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.launching.controller", str(options.n)])
+        cluster.start_controller_sync(controller_cmd=watched + ["nbdist.cluster.launching.controller", str(options.n)]
+                                      + ([keys.admit_arg()] if keys else []))
+        mpi_args, secrets_env = options.launch_args(kernel_address), {}
+        if keys is not None:
+            mpi_args, delivered = _launch_args_with_token(mpi_args, cluster.profile_dir, lifeline)
+            secrets_env = {ENGINE_KEYS_ENV: keys.write_engine_keys(cluster.profile_dir),
+                           **({} if delivered else lifeline.secret_environment())}
         cluster.start_engines_sync(
             options.n,
             engine_cmd=(warm_process.engine_command() if warm_process is not None
@@ -266,13 +321,15 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                 f"--IPEngine.wait_for_url_file={options.timeout}",
             ],
             mpi_cmd=privacy.wrapped(options.mpiexec(), one_host and refused is None),
-            mpi_args=options.launch_args(kernel_address),
+            mpi_args=mpi_args,
             environment={**_engine_environment(options, lifeline, kernel_address),
                          **(privacy.environment(refused) if one_host else {}),
-                         **(allocation.variables if allocation is not None else {})},
+                         **(allocation.variables if allocation is not None else {}),
+                         **secrets_env},
         )
-        client = launched.client = cluster.connect_client_sync()
-        _publish_engine_connection(cluster, lifeline, deadline)
+        client = launched.client = (cluster.connect_client_sync() if keys is None
+                                    else _connect_keyed_client(cluster, keys, deadline))
+        _publish_engine_connection(cluster, lifeline, deadline, keys)
         checked = 0.0
         while len(client.ids) < options.n:
             if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
@@ -293,21 +350,75 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     return launched
 
 
+_LAUNCHERS = {"ssh": "ssh", "rsh": "rsh", "slurm": "srun"}  # Hydra's launcher -> the command it runs by default
+
+
+def _flag(arg: str) -> str:
+    return arg.lstrip("-").split("=", 1)[0]
+
+
+def _launch_args_with_token(args: list[str], profile_dir: str,
+                            lifeline: lifeline_server.LifelineServer) -> tuple[list[str], bool]:
+    """mpiexec's arguments with its launcher wrapped (cluster/hosts/token_launcher.py) so that the lifeline's token
+    reaches the other hosts over ssh (or in srun's environment), not in mpiexec's own; and whether it does. Not
+    where the launcher is another (fork, lsf, ...), or the cluster's folder cannot hold a program (noexec): the
+    token then travels in the engines' environment, as mpiexec sends it, in clear."""
+    launcher, executable, kept, i = None, None, [], 0
+    while i < len(args):
+        name, arg = _flag(args[i]), args[i]
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else None)
+        step = 1 if "=" in arg else 2
+        if arg.startswith("-") and name in ("launcher", "bootstrap"):
+            launcher = value
+        elif arg.startswith("-") and name in ("launcher-exec", "bootstrap-exec"):
+            executable, i = value, i + step
+            continue
+        kept.append(arg)
+        i += 1
+    if launcher is None:  # Hydra's own choice: Slurm's inside an allocation, else ssh; named, so both agree
+        launcher = "slurm" if {"SLURM_JOB_ID", "SLURM_JOBID"} & set(os.environ) else "ssh"
+        kept = ["-launcher", launcher] + kept
+    noexec = os.statvfs(profile_dir).f_flag & getattr(os, "ST_NOEXEC", 0)
+    if launcher not in _LAUNCHERS or noexec:
+        return args, False
+    script = os.path.join(profile_dir, "launcher")
+    command = [sys.executable, "-S", token_launcher.__file__, "srun" if launcher == "slurm" else "ssh",
+               executable or _LAUNCHERS[launcher], lifeline.token_file, sys.executable]
+    with os.fdopen(os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700), "w") as f:
+        f.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, command)) + ' "$@"\n')
+    return kept + ["-launcher-exec", script], True
+
+
+def _connect_keyed_client(cluster: ipp.Cluster, keys: CurveKeys, deadline: float) -> ipp.Client:
+    """ipyparallel's client, connected with the keypair the controller admits."""
+    info = _connection_info(cluster, "client", deadline)
+    return _KeyedClient(info, cluster=cluster, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
+                        curve_keys=keys.client)
+
+
 def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,
-                               deadline: float) -> None:
-    """Send the controller's connection info for engines down the lifelines: engines on other hosts register with
-    it, so their hosts need no shared folder and keep no file of the cluster. The controller writes its engine file
-    just after the client file the client has read, so it may not be there, or whole, for a moment."""
-    path = cluster.controller.connection_files["engine"]
+                               deadline: float, keys: CurveKeys | None = None) -> None:
+    """Send the controller's connection info for engines down the lifelines (with the engines' CURVE keypair,
+    across hosts: the lifeline is TLS there): engines on other hosts register with it, so their hosts need no
+    shared folder and keep no file of the cluster."""
+    info = _connection_info(cluster, "engine", deadline)
+    if keys is not None:
+        info[ENGINE_KEYS] = keys.engine_keys()
+    lifeline.publish_engine_connection(info)
+
+
+def _connection_info(cluster: ipp.Cluster, kind: str, deadline: float) -> dict:
+    """The controller's connection file for `kind` ("client", "engine"), once it is there and whole: the controller
+    writes the engine file just after the client file, so either may be missing, or half written, for a moment."""
+    path = cluster.controller.connection_files[kind]
     while True:
         try:
             with open(path) as f:
-                lifeline.publish_engine_connection(json.load(f))
-            return
+                return json.load(f)
         except (OSError, ValueError):
             _check_alive(cluster)
             if time.monotonic() > deadline:
-                raise DistError(f"the controller wrote no connection file for engines ({path})") from None
+                raise DistError(f"the controller wrote no connection file for the {kind} ({path})") from None
             time.sleep(0.005)
 
 

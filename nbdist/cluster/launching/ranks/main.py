@@ -10,6 +10,7 @@ cluster, so that a host keeps nothing of a cluster after it (not even when the e
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -17,6 +18,9 @@ import tempfile
 START_TIMEOUT_ENV = "NBDIST_START_TIMEOUT"  # seconds the start may take; an engine waits this long for the controller
 CONNECTION_ENV = "IPP_CONNECTION_INFO"  # ipyparallel's engine reads the controller's connection info here if set
 PROFILE_ENV = "IPP_PROFILE_DIR"  # ... and its profile directory here
+ENGINE_KEYS = "nbdist_engine_curve"  # in the connection info down the lifeline: [public, secret] (Z85)
+ENGINE_KEYS_ENV = "NBDIST_ENGINE_KEYS_FILE"  # on the kernel's host: the file holding them (a path: no secret)
+CURVE_ENV = ("IPP_CURVE_PUBLICKEY", "IPP_CURVE_SECRETKEY")  # where ipyparallel's engine reads its keypair
 
 
 def main() -> None:
@@ -31,6 +35,9 @@ def main() -> None:
     boot.boot()
     if not lifeline.on_kernel_host():
         _connect_from_another_host(lifeline)
+    elif os.environ.get(ENGINE_KEYS_ENV):
+        with open(os.environ[ENGINE_KEYS_ENV]) as f:
+            _use_keys(json.load(f))
     from ipyparallel.engine.app import main as ipengine_main
 
     sys.argv[0] = "ipengine"
@@ -43,8 +50,16 @@ def _connect_from_another_host(lifeline) -> None:
     info = lifeline.engine_connection_info(timeout)
     if info is None:
         sys.exit(f"nbdist engine on {os.uname().nodename}: no connection info from the kernel within {timeout:g} s")
-    os.environ[CONNECTION_ENV] = info
+    connection = json.loads(info)
+    _use_keys(connection.pop(ENGINE_KEYS, None))
+    os.environ[CONNECTION_ENV] = json.dumps(connection)
     os.environ[PROFILE_ENV] = engine_profile_dir()
+
+
+def _use_keys(keys: list[str] | None) -> None:
+    """The engines' CURVE keypair, for ipyparallel's engine (a cluster on one host has none)."""
+    if keys:
+        os.environ.update(zip(CURVE_ENV, keys))
 
 
 def engine_profile_dir() -> str:

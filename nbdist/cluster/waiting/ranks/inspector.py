@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 
-from nbdist.cluster.hosts.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, TOKEN_ENV, lines_from, open_connection
+from nbdist.cluster.hosts.lifeline import ACCEPTED, ADDRESS_ENV, HANDSHAKE_SECONDS, lines_from, open_connection, token
 from nbdist.debugging.ranks import recorder
 
 ASK = b"why"
@@ -29,10 +29,10 @@ THREAD_NAME = "nbdist-inspector"
 
 def start(rank: int) -> bool:
     """Start this rank's inspector thread; False where there is no lifeline server to answer to."""
-    address, token = os.environ.get(ADDRESS_ENV), os.environ.get(TOKEN_ENV)
-    if not address or not token:
+    address, secret = os.environ.get(ADDRESS_ENV), token()
+    if not address or not secret:
         return False
-    threading.Thread(target=_serve, args=(address, token, rank), daemon=True, name=THREAD_NAME).start()
+    threading.Thread(target=_serve, args=(address, secret, rank), daemon=True, name=THREAD_NAME).start()
     return True
 
 
