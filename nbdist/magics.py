@@ -1,11 +1,12 @@
 """IPython magics: a thin skin over nbdist's Python API (parse arguments, call the API, show the result)."""
 from __future__ import annotations
 
+import shlex
 from functools import wraps
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
 from nbdist import cluster as clusters
@@ -19,11 +20,30 @@ def _no_arguments(magic: str, line: str) -> None:
 
 
 def _parsed(magic, line: str):
-    """The magic's arguments; a line IPython cannot split (an unclosed quote) is one line too."""
+    """The magic's arguments, the line split as a shell would (as the functions split mpi_args): IPython's own
+    splitting keeps the quotes, so `--mpi-args "-launcher-exec /path"` reached mpiexec as one argument. A line that
+    cannot be split (an unclosed quote) is one line too."""
     try:
-        return parse_argstring(magic, line)
+        words = shlex.split(line)
     except ValueError as e:
         raise DistUsageError(f"cannot read the arguments {line.strip()!r}: {e}") from None
+    return magic.parser.parse_args(_values_attached(magic.parser, words))
+
+
+def _values_attached(parser, words: list[str]) -> list[str]:
+    """`--mpi-args "-n 5"` as `--mpi-args=-n 5`: argparse takes a value that begins with a dash for an option of
+    its own (here -n) and says "expected one argument"; attached, it is the value, as the function form takes it."""
+    takes_value = {option for action in parser._actions if action.nargs is None and action.option_strings
+                   for option in action.option_strings if option.startswith("--")}
+    out: list[str] = []
+    words = iter(words)
+    for word in words:
+        if word in takes_value:
+            value = next(words, None)
+            out.append(word if value is None else f"{word}={value}")
+        else:
+            out.append(word)
+    return out
 
 
 def _usage_errors(method):
@@ -152,9 +172,9 @@ class DistMagics(Magics):
         """Run the cell on the chosen ranks; output labelled [rank N]."""
         args = _parsed(self.dist, line)
         if args.timeout is not None:
-            from nbdist.cluster.options import seconds
+            from nbdist.cluster.options import run_timeout
 
-            seconds(args.timeout, "--timeout")
+            run_timeout(args.timeout, "--timeout")
         clusters.current().execute(cell, ranks=args.ranks, timeout=args.timeout, output=args.output)
 
     @magic_arguments()

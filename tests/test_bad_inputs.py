@@ -385,7 +385,8 @@ BAD_MAGICS = [
     ("%dist_start --cpu --backend nccl", "UsageError: --cpu and --backend nccl contradict each other"),
     ("%dist_start --bogus", "UsageError: unrecognized arguments: --bogus"),
     ("%dist_start 4", "UsageError: unrecognized arguments: 4"),
-    ("%dist_start -n 2 --mpi-args '\"unclosed'", "UsageError: --mpi-args must begin with an mpiexec option"),
+    ("%dist_start -n 2 --mpi-args '\"unclosed'", "UsageError: --mpi-args '\"unclosed' cannot be split as a shell "
+                                                "would: No closing quotation"),  # as nbdist.start(mpi_args=) says
     ('%dist_start -n 2 --mpi-args "unclosed', "UsageError: cannot read the arguments '-n 2 --mpi-args \"unclosed': "
                                                "No closing quotation"),
     ("%dist_start --hosts ,,,", "UsageError: --hosts ',,,' names no host"),

@@ -34,7 +34,7 @@ from nbdist.cluster.status import Status
 from nbdist.cluster.waiting.recovery import Recovery
 from nbdist.cluster.waiting.remote import SHOW_MODES, OutputRelay, Waiter
 from nbdist.errors import DistInterrupt, DistUsageError, show_errors_in_ipython
-from nbdist.runtime.ranks import registry
+from nbdist.runtime.ranks import cells, registry
 
 _current: "Cluster | None" = None
 _starting = threading.RLock()  # nbdist.start() and nbdist.stop() one at a time: one current cluster per kernel
@@ -75,7 +75,9 @@ class Cluster:
         started = time.perf_counter()
         try:
             self._launched = launch.start(self.options, while_waiting=warm.loader(warm.LOADED_WHILE_STARTING))
-            infos = self._launched.client[self._launched.engine_ids].apply_sync(boot.info)
+            engines = self._launched.client[self._launched.engine_ids]
+            infos = engines.apply_sync(boot.info)
+            engines.apply_sync(cells.install)  # a cell that breaks sys.stdout must not break the next ones
         except BaseException as e:
             self.stop()
             if isinstance(e, KeyboardInterrupt) and not isinstance(e, DistInterrupt):

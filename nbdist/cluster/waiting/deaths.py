@@ -7,6 +7,10 @@ benchmarks/README.md). A user needs the rank that died, not "every engine died".
   the rank seen dead first is the one that died, the others follow it;
 - Hydra's own report in mpiexec's output ("BAD TERMINATION ... PID <pid> RUNNING AT <host> ... EXIT CODE: 9"),
   which also covers ranks on other hosts;
+- MPICH's own words when a rank calls MPI_Abort ("application called MPI_Abort(MPI_COMM_WORLD, 3) - process 1"):
+  Hydra then ends every rank at once, so all are seen dead together and only these words name the one that called
+  it. They reach mpiexec's output only where the rank's own capture of its fd 2 forwards them before the process
+  ends (measured: 2 of 6 forked ranks, 1 of 2 fresh ones); otherwise the ranks still read "died together";
 - in a Slurm allocation, srun's report in the same output ("Node failure on <node>"): Slurm took a node out of the
   allocation and ends the job on every node, so the node, Slurm's reason and its ranks are the cause, whatever rank
   is seen dying first (cluster/hosts/slurm.py failed_nodes says what was measured).
@@ -26,6 +30,7 @@ from nbdist.cluster.hosts import slurm
 
 _HYDRA = re.compile(r"BAD TERMINATION.*?PID (\d+) RUNNING AT (\S+).*?EXIT CODE: (\d+)", re.S)
 _SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+_ABORT = re.compile(r"application called MPI_Abort\((\S+?), (-?\d+)\) - process (\d+)")
 _STAND_IN = re.compile(r"nbdist stand-in: rank pid (\d+) ended (?:by signal (\d+)|with exit code (\d+))")
 
 
@@ -99,8 +104,22 @@ class DeathWatch:
         if failed:
             return left_allocation_line({node: slurm.node_condition(node) for node in failed},
                                         {rank: host for rank, (host, _) in self.pids.items()})
+        aborted = self.aborted(text)
+        if aborted is not None:
+            return aborted
         reported = self._hydra(text)
         return None if reported is None else self.describe(reported)
+
+    def aborted(self, text: str) -> str | None:
+        """The rank that called MPI_Abort and its error code, from MPICH's words in `text` (mpiexec's output, or the
+        rank's own stderr); None where they are not there."""
+        found = _ABORT.search(text)
+        if found is None:
+            return None
+        communicator, code, rank = found.group(1), found.group(2), int(found.group(3))
+        where = f" ({self._where(rank)})" if rank in self.pids else ""
+        return (f"rank {rank}{where} called MPI_Abort with error code {code} (on {communicator}), which ends the "
+                "whole MPI job")
 
     def _output(self) -> str:
         """The last 16 KiB of mpiexec's output, where Hydra and srun report (their words are the file's last)."""

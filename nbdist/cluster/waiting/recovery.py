@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from nbdist.cluster.waiting.deaths import DeathWatch
-from nbdist.cluster.waiting.ranks import gpu_sync
+from nbdist.cluster.waiting.ranks import gpu_sync, groups, mpi_groups
+from nbdist.cluster.waiting.tracebacks import ranks_label
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from nbdist.cluster.hosts.lifeline_server import LifelineServer
 
 GPU_SYNC_SECONDS = 10.0  # after a rank failed on GPUs, how long the others' queued GPU work may take to complete
+GROUPS_SECONDS = 10.0  # how long the ranks may take to say which groups they hold (each answers alone)
 
 
 class WaitedOn(Protocol):
@@ -103,21 +105,36 @@ class Recovery:
         done = self.gpus_in_step() if any(d.startswith("cuda") for d in self.cluster.devices) else ""
         if self.cluster.generation != generation:  # restarted: fresh engines hold no group to renew
             return done
-        return "; ".join(part for part in (done, self.renew_mpi_groups()) if part)
+        unrenewable = self.groups_apart()
+        return "; ".join(part for part in (done, unrenewable or self.renew_mpi_groups()) if part)
+
+    def groups_apart(self) -> str:
+        """Why the ranks cannot be renewed together ("" when they can): a rank whose process group was destroyed
+        holds no group to renew, and the others would wait for it."""
+        ranks = list(range(self.cluster.world_size))
+        try:
+            held = self.view(ranks).apply_async(groups.has_process_group).get(timeout=GROUPS_SECONDS)
+        except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
+            return (f"asking the ranks for their process groups failed ({type(e).__name__}), so they were not "
+                    "brought back in step: restart with %dist_restart")
+        destroyed = [rank for rank, has in zip(ranks, held) if not has]
+        if not destroyed:
+            return ""
+        return (f"{ranks_label(destroyed)} {'has' if len(destroyed) == 1 else 'have'} no process group any more "
+                "(torch.distributed.destroy_process_group() ended it), so no collective can run: %dist_restart (or "
+                "cluster.restart()) starts fresh engines with a new one; engine variables are lost")
 
     def renew_mpi_groups(self) -> str:
         """After ranks were interrupted inside an operation of nbdist's MPI backend, its groups are out of step (MPI
         cannot cancel a collective): every rank gives each of them a fresh communicator (the process group's
         `renew`), and the engines and their variables are kept. Said only where some rank gave up an operation."""
-        from nbdist.backend.ranks import mpi_backend
-
         ranks = list(range(self.cluster.world_size))
         try:
-            renewed = self.view(ranks).apply_async(mpi_backend.renew).get(timeout=60)
+            renewed = self.view(ranks).apply_async(mpi_groups.renew).get(timeout=60)
         except Exception as e:  # noqa: BLE001 - said in the error line; a restart is the user's next step
             return f"renewing the MPI groups failed ({type(e).__name__}): restart with %dist_restart"
-        count = max((len(r.groups) for r in renewed), default=0)
-        if not any(r.broken for r in renewed):
+        count = max((groups for groups, _ in renewed), default=0)
+        if not any(broken for _, broken in renewed):
             return ""  # no operation was given up: renewed quietly (a stray message may have been left behind)
         return f"their {count} MPI group(s) renewed, engine variables kept"
 

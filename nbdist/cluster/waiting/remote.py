@@ -22,7 +22,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from nbdist.cluster.waiting.deaths import unreachable_line
-from nbdist.cluster.waiting.tracebacks import grouped, ranks_label, remote_summary, remote_traceback, whole_traceback
+from nbdist.cluster.waiting.tracebacks import (
+    exited,
+    failure_phrase,
+    grouped,
+    ranks_label,
+    remote_traceback,
+    whole_traceback,
+)
 from nbdist.errors import DistError, DistInterrupt
 from nbdist.units import format_bytes
 
@@ -35,6 +42,9 @@ INTERRUPT_WAIT_SECONDS = 3.0  # how long an interrupted rank may take to stop be
 SHOW_MODES = ("rank0", "all", "none")
 DIED = "an engine process died (which ends the whole MPI job)"
 OUTPUT_CAP = 2**20  # characters of one rank's stdout (or stderr) one call shows in the cell; the rest goes to a file
+OUTPUT_WAIT_SECONDS = 60.0  # how long a finished call's output may take to arrive: it comes after the reply, and
+# 100 MB printed at once took 3 s per rank on 2 cores (waiting 1 s, the cell showed nothing of it); no wait once an
+# engine died
 _last_failure: list[tuple[int, str]] = []  # (rank, whole traceback) of the last failure, for %dist_traceback
 
 
@@ -162,6 +172,7 @@ class Waiter:
     progress_every: float = 0.5
     _restarted: bool = False
     _viewed: bool = False  # the hang view was shown: where each rank was is said, not its interrupt's traceback
+    _signalled: set = field(default_factory=set)  # the ranks nbdist interrupted: their KeyboardInterrupt is nbdist's
 
     def wait(self) -> list:
         """Block until every rank is done; return per-rank results (rank order) or raise DistError."""
@@ -187,7 +198,7 @@ class Waiter:
                 if first_failure_at is not None and time.monotonic() - first_failure_at > ERROR_GRACE_SECONDS:
                     action = self._free_stuck()
                     break
-                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                if self.timeout is not None and time.monotonic() - started > self.timeout and not self.ar.ready():
                     reason = self._why(f"timed out after {self.timeout:g} s")
                     action = self._free_stuck()
                     break
@@ -296,6 +307,7 @@ class Waiter:
     def _interrupt(self, ranks: Sequence[int]) -> None:
         """SIGINT to each rank, on this host or another (through its lifeline: Cluster.signal_rank)."""
         for rank in ranks:
+            self._signalled.add(rank)
             self.on.signal_rank(rank, signal.SIGINT)
 
     # -- results ----------------------------------------------------------------------------------------------
@@ -305,8 +317,22 @@ class Waiter:
             self.relay.relay(self.ar._metadata, final=final)
 
     def _finish_output(self) -> None:
+        """Every rank's output in, then the last of it shown: a call's output arrives after its reply (all of a
+        large print at once, seconds later), so it is waited for, up to OUTPUT_WAIT_SECONDS, while the engines
+        live; what came by then is shown, and a line says if some did not."""
+        if not self.ar.ready():
+            self._relay(final=True)
+            return
+        deadline = time.monotonic() + OUTPUT_WAIT_SECONDS
         try:
-            self.ar.wait_for_output(timeout=1.0) if self.ar.ready() else None
+            while not self.ar.wait_for_output(timeout=0.1):
+                self._relay()
+                if self._death() or self._silent():
+                    break
+                if time.monotonic() > deadline:
+                    sys.stderr.write(f"nbdist: some of the ranks' output had not arrived {OUTPUT_WAIT_SECONDS:g} s "
+                                     "after the call ended; what came is shown\n")
+                    break
         except Exception:
             pass
         self._relay(final=True)
@@ -319,13 +345,16 @@ class Waiter:
         self._finish_output()
         if failed:
             _last_failure[:] = [(rank, whole_traceback(error)) for rank, error in failed.items()]
-        interrupted = [r for r, e in failed.items() if _interrupted(e)]
+        # nbdist's interrupt (or the user's): a KeyboardInterrupt the cell raised itself is its own failure
+        interrupted = [r for r, e in failed.items()
+                       if _interrupted(e) and (r in self._signalled or kind is DistInterrupt)]
         causes = {r: e for r, e in failed.items() if r not in interrupted}  # the rest: nbdist's interrupt
         if not causes and not self._viewed:  # where each rank was when interrupted: its traceback says it
             causes = failed
-        write_grouped(((r, remote_traceback(e)) for r, e in causes.items()), sys.stderr)
-        said = grouped((r, remote_summary(e)) for r, e in failed.items() if not _interrupted(e))
-        raised = [f"{ranks_label(ranks)} raised {summary}" for ranks, summary in said]
+        shown = ((r, remote_traceback(e)) for r, e in causes.items() if not exited(e))  # sys.exit: the line says it
+        write_grouped(shown, sys.stderr)
+        said = grouped((r, failure_phrase(e)) for r, e in failed.items() if r not in interrupted)
+        raised = [f"{ranks_label(ranks)} {phrase}" for ranks, phrase in said]
         parts = [p for p in (reason, "; ".join(raised)) if p]
         if action:
             parts.append(action)

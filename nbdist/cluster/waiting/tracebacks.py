@@ -8,6 +8,10 @@ their source back from the kernel; a line under the traceback says which librari
 `%dist_traceback` shows the last failure's tracebacks whole; NBDIST_DEBUG=1 keeps everything, always.
 
 Several ranks failing the same way (the same folded traceback) are said once, naming the ranks (`grouped`).
+
+What a rank raised is said in the error's one line, cut to ERROR_CHARS (a 1 MiB message made a 1 MiB line), and
+the traceback's lines to LINE_CHARS, each cut saying how much was left out; `%dist_traceback` keeps it all. A cell
+that called sys.exit() is said as that (IPython's SystemExit text names no rank and suggests %tb).
 """
 from __future__ import annotations
 
@@ -22,16 +26,47 @@ from nbdist.errors import debugging
 from nbdist.wire import SENT_BY_VALUE, defined_in
 
 
+ERROR_CHARS = 500  # of what a rank raised, in the error's line (a long torch message fits; a flood does not)
+LINE_CHARS = 2000  # of each line of a rank's traceback shown in the cell
+
+
 def remote_summary(error: BaseException) -> str:
-    """'ValueError: boom' for an engine's exception (ipyparallel wraps it as a RemoteError)."""
+    """'ValueError: boom' for an engine's exception (ipyparallel wraps it as a RemoteError), cut to ERROR_CHARS."""
+    return cut(_whole_summary(error), ERROR_CHARS)
+
+
+def _whole_summary(error: BaseException) -> str:
     ename = getattr(error, "ename", type(error).__name__)
     evalue = getattr(error, "evalue", str(error))
     return f"{ename}: {evalue}" if evalue else ename
 
 
+def exited(error: BaseException) -> bool:
+    """The rank's code called sys.exit() (or raised SystemExit)."""
+    return getattr(error, "ename", type(error).__name__) == "SystemExit"
+
+
+def failure_phrase(error: BaseException) -> str:
+    """What a rank did, after its label in the error's line: 'raised ValueError: boom', or for sys.exit() what that
+    does on a rank (its cell stops; the engine, its variables and the MPI job live on)."""
+    if not exited(error):
+        return f"raised {remote_summary(error)}"
+    code = getattr(error, "evalue", "") or ""
+    return cut(f"called sys.exit({code}), which ends the cell there, not the rank: the engines and their variables "
+               "are kept (%dist_stop ends them)", ERROR_CHARS)
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` up to `limit` characters, and how many more there were."""
+    if len(text) <= limit:
+        return text
+    reset = "\x1b[0m" if "\x1b[" in text[:limit] else ""  # a colour begun in what is shown ends there
+    return f"{text[:limit]}{reset}... ({len(text) - limit:,} more characters not shown: %dist_traceback shows them)"
+
+
 def whole_traceback(error: BaseException) -> str:
     """A rank's traceback with every frame, as the engine sent it."""
-    return getattr(error, "traceback", None) or remote_summary(error)
+    return getattr(error, "traceback", None) or _whole_summary(error)
 
 
 def remote_traceback(error: BaseException) -> str:
@@ -41,7 +76,7 @@ def remote_traceback(error: BaseException) -> str:
     if debugging():
         return text
     hidden: Counter = Counter()
-    kept = user_frames(text.splitlines(), hidden)
+    kept = [cut(line, LINE_CHARS) for line in user_frames(text.splitlines(), hidden)]
     return "\n".join(kept + ([hidden_note(hidden)] if hidden else []))
 
 
@@ -64,7 +99,9 @@ NO_SOURCE = "Could not get source"
 
 def library_of(path: str) -> str | None:
     """The library a frame's file belongs to ("torch", "nbdist", "python" for the standard library), or None for
-    the user's own code (a notebook cell, a module of theirs)."""
+    the user's own code (a notebook cell, a module of theirs). IPython writes a path in the home folder as "~/..."
+    (nbdist checked out in the user's home: its frames were shown as the user's)."""
+    path = os.path.expanduser(path)
     if path.startswith(NBDIST_DIR + os.sep):
         return "nbdist"
     if path.startswith("<frozen "):
