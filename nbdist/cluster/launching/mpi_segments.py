@@ -65,6 +65,18 @@ def mapped_by(pid: int | str) -> set[str]:
     return {path for path in paths if not path.endswith(" (deleted)")}
 
 
+def unlink_mapped() -> None:
+    """Remove the names of the MPICH files this process maps, as it ends without MPI_Finalize (its kernel gone, its
+    stand-in killed): a communicator made after the rank's start (the groups renewed after a timed-out cell) has
+    a file of its own that boot's removal did not see, and a culled JupyterHub server left 1 MB in /dev/shm per
+    learner. The other ranks are ending with it (a job without this rank cannot go on)."""
+    for path in mapped_by(os.getpid()):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _open(pid: str) -> set[str]:
     try:
         names = os.listdir(f"/proc/{pid}/fd")

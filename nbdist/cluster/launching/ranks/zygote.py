@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 
+from nbdist.cluster.launching import mpi_segments
 from nbdist.cluster.launching.ranks.boot import STAND_IN_ENV
 
 PRELOADED = ("torch", "torch.distributed", "torch.nn.parallel", "ipyparallel.engine.app", "nbdist.cluster.launching.ranks.boot",
@@ -342,6 +343,7 @@ def _watch_stand_in(conn: socket.socket) -> None:
                 pass
         except OSError:
             pass
+        mpi_segments.unlink_mapped()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="nbdist-stand-in", daemon=True).start()
