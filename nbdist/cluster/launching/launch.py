@@ -18,9 +18,9 @@ on the kernel's host watch its pid; engines on other hosts hold a connection to 
 Each cluster runs in its own IPython profile directory, removed at stop (cluster/launching/files.py).
 
 Across hosts nothing secret crosses the network in clear (docs/security.md): the controller speaks CurveZMQ and
-admits only the kernel's client and the engines, by keys the kernel makes for each cluster (`CurveKeys`); the
+admits only the kernel's client and the engines, by keys the kernel makes for each cluster; the
 lifeline is TLS; and its token, which mpiexec would hand to its proxies in clear if it were in the engines'
-environment, reaches the other hosts through ssh's own channel instead (`_launch_args_with_token`).
+environment, reaches the other hosts through ssh's own channel instead (cluster/launching/across_hosts.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import shutil
 import signal
 import sys
@@ -40,11 +39,10 @@ from typing import Callable
 import ipyparallel as ipp
 import psutil
 
-from nbdist.cluster.hosts import lifeline_server, slurm, token_launcher
+from nbdist.cluster.hosts import lifeline_server, slurm
 from nbdist.cluster.launching import files as cluster_files
 from nbdist.cluster.hosts.ranks import addresses
-from nbdist.cluster.launching import mpi_segments, privacy, warm
-from nbdist.cluster.launching import controller as controller_main
+from nbdist.cluster.launching import across_hosts, launch_output, mpi_segments, privacy, warm
 from nbdist.cluster.launching.ranks.main import ENGINE_KEYS, ENGINE_KEYS_ENV, START_TIMEOUT_ENV
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.waiting import deaths
@@ -89,43 +87,6 @@ class Launched:
             self.lifeline.close()  # lifelines, racing our own kills
         if self.allocation is not None:  # after the engines: giving it back first would end them under us
             self.allocation.release()
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """A cluster's CurveZMQ keypairs (Z85), made by the kernel: its client's and the engines'. The controller makes its
-    own and admits these two public keys only; the engines' secret key reaches them over private channels only
-    (the lifeline's TLS; a file of the cluster's 0700 folder on the kernel's host)."""
-
-    client: tuple[bytes, bytes]
-    engines: tuple[bytes, bytes]
-
-    @classmethod
-    def new(cls) -> "CurveKeys":
-        import zmq
-
-        return cls(zmq.curve_keypair(), zmq.curve_keypair())
-
-    def admit_arg(self) -> str:
-        return controller_main.ADMIT_FLAG + ",".join(k[0].decode("ascii") for k in (self.client, self.engines))
-
-    def engine_keys(self) -> list[str]:
-        return [key.decode("ascii") for key in self.engines]
-
-    def write_engine_keys(self, folder: str) -> str:
-        """The engines' keypair in a file only this user reads, for the engines on the kernel's host."""
-        path = os.path.join(folder, "engine-keys.json")
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            json.dump(self.engine_keys(), f)
-        return path
-
-
-class _KeyedClient(ipp.Client):
-    """ipyparallel's client with the keypair the controller admits (it would make a random one, refused there)."""
-
-    def __init__(self, *args, curve_keys: tuple[bytes, bytes], **kwargs):
-        self.curve_publickey, self.curve_secretkey = curve_keys
-        super().__init__(*args, **kwargs)
 
 
 def _engine_environment(options: ClusterOptions, lifeline: lifeline_server.LifelineServer,
@@ -216,65 +177,6 @@ def _already_removed(record: logging.LogRecord) -> bool:
     return not (message.startswith("Failed to remove ") and "[Errno 2]" in message)
 
 
-def _tail(launcher, lines: int = 15) -> str:
-    try:
-        with open(launcher.output_file) as f:
-            text = f.read()
-    except (OSError, TypeError):
-        return ""
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _check_alive(cluster: ipp.Cluster) -> None:
-    """Raise, in one line with the process's own first complaint, if the controller or mpiexec has exited. Asked
-    of the process itself: ipyparallel's own state changes only when its event loop runs, which a start waiting
-    here does not (an mpiexec that could not reach a host was noticed only when the whole timeout ran out)."""
-    parts = [("controller", cluster.controller)] + [("engines' mpiexec", es) for es in cluster.engines.values()]
-    for name, launcher in parts:
-        if launcher is not None and (launcher.state == "after" or _ended(launcher)):
-            raise DistError(f"the {name} exited during start-up: {_complaint(_last_words(launcher))}")
-
-
-def _last_words(launcher, wait: float = 1.0) -> str:
-    """An ended launcher's output: once ipyparallel has seen its process end it may have read and removed the
-    output file (get_output keeps what it read; "(no output)" was said once in four starts with a bad mpiexec
-    flag), and a process seen exiting may not have written its last words yet."""
-    deadline = time.monotonic() + wait
-    while not (text := _tail(launcher) or _kept_output(launcher)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return text
-
-
-def _kept_output(launcher, lines: int = 15) -> str:
-    """What ipyparallel read of an ended launcher's output before removing its file, if it did."""
-    try:
-        text = launcher.get_output() if launcher.state == "after" else ""
-    except Exception:  # noqa: BLE001 - a launcher without output of its own
-        return ""
-    return "\n".join((text or "").strip().splitlines()[-lines:])
-
-
-def _ended(launcher) -> bool:
-    """Whether the launcher's process (a child of this kernel) has exited, or is exiting (deaths.alive)."""
-    pid = getattr(launcher, "pid", None)
-    return bool(pid) and not deaths.alive(pid)
-
-
-_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)")  # a Python traceback's last line
-
-
-def _complaint(output: str) -> str:
-    """The line of a launcher's output that says what went wrong: a rank's Python error (the last line of its
-    traceback, e.g. "DistUsageError: ..."), else the first line that is not Hydra's own trace ("[mpiexec@host] ...",
-    "[proxy:...] ..."), e.g. ssh's "connect to host ... No route to host"."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    raised = [line for line in lines if _RAISED.match(line)]
-    if raised:
-        return raised[-1]
-    own = [line for line in lines if not line.startswith(("[mpiexec@", "[proxy:"))]
-    return (own or lines or ["(no output)"])[0]
-
-
 def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = None) -> Launched:
     """Start controller and engines (in a Slurm allocation first asked for, with --slurm), connect a client, wait
     until every engine has registered. `while_waiting()` is called instead of sleeping in that wait, until it
@@ -298,7 +200,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
             allocation.release()
         raise
     launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
-    keys = None if one_host else CurveKeys.new()
+    keys = None if one_host else across_hosts.CurveKeys.new()
     try:
         lifeline = launched.lifeline = lifeline_server.serve(
             kernel_address, privacy.lifeline_path(cluster.profile_dir, one_host),
@@ -308,7 +210,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                                       + ([keys.admit_arg()] if keys else []))
         mpi_args, secrets_env = options.launch_args(kernel_address), {}
         if keys is not None:
-            mpi_args, delivered = _launch_args_with_token(mpi_args, cluster.profile_dir, lifeline)
+            mpi_args, delivered = across_hosts.launch_args_with_token(mpi_args, cluster.profile_dir, lifeline)
             secrets_env = {ENGINE_KEYS_ENV: keys.write_engine_keys(cluster.profile_dir),
                            **({} if delivered else lifeline.secret_environment())}
         cluster.start_engines_sync(
@@ -333,12 +235,12 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         checked = 0.0
         while len(client.ids) < options.n:
             if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
-                _check_alive(cluster)
+                launch_output.check_alive(cluster)
                 checked = time.monotonic()
             if time.monotonic() > deadline:
                 raise DistError(
                     f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
-                    f"(raise --timeout?); engine output:\n{_tail(next(iter(cluster.engines.values())))}"
+                    f"(raise --timeout?); engine output:\n{launch_output.tail(next(iter(cluster.engines.values())))}"
                 )
             if while_waiting is None or not while_waiting():
                 while_waiting = None
@@ -350,54 +252,15 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     return launched
 
 
-_LAUNCHERS = {"ssh": "ssh", "rsh": "rsh", "slurm": "srun"}  # Hydra's launcher -> the command it runs by default
-
-
-def _flag(arg: str) -> str:
-    return arg.lstrip("-").split("=", 1)[0]
-
-
-def _launch_args_with_token(args: list[str], profile_dir: str,
-                            lifeline: lifeline_server.LifelineServer) -> tuple[list[str], bool]:
-    """mpiexec's arguments with its launcher wrapped (cluster/hosts/token_launcher.py) so that the lifeline's token
-    reaches the other hosts over ssh (or in srun's environment), not in mpiexec's own; and whether it does. Not
-    where the launcher is another (fork, lsf, ...), or the cluster's folder cannot hold a program (noexec): the
-    token then travels in the engines' environment, as mpiexec sends it, in clear."""
-    launcher, executable, kept, i = None, None, [], 0
-    while i < len(args):
-        name, arg = _flag(args[i]), args[i]
-        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else None)
-        step = 1 if "=" in arg else 2
-        if arg.startswith("-") and name in ("launcher", "bootstrap"):
-            launcher = value
-        elif arg.startswith("-") and name in ("launcher-exec", "bootstrap-exec"):
-            executable, i = value, i + step
-            continue
-        kept.append(arg)
-        i += 1
-    if launcher is None:  # Hydra's own choice: Slurm's inside an allocation, else ssh; named, so both agree
-        launcher = "slurm" if {"SLURM_JOB_ID", "SLURM_JOBID"} & set(os.environ) else "ssh"
-        kept = ["-launcher", launcher] + kept
-    noexec = os.statvfs(profile_dir).f_flag & getattr(os, "ST_NOEXEC", 0)
-    if launcher not in _LAUNCHERS or noexec:
-        return args, False
-    script = os.path.join(profile_dir, "launcher")
-    command = [sys.executable, "-S", token_launcher.__file__, "srun" if launcher == "slurm" else "ssh",
-               executable or _LAUNCHERS[launcher], lifeline.token_file, sys.executable]
-    with os.fdopen(os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700), "w") as f:
-        f.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, command)) + ' "$@"\n')
-    return kept + ["-launcher-exec", script], True
-
-
-def _connect_keyed_client(cluster: ipp.Cluster, keys: CurveKeys, deadline: float) -> ipp.Client:
+def _connect_keyed_client(cluster: ipp.Cluster, keys: across_hosts.CurveKeys, deadline: float) -> ipp.Client:
     """ipyparallel's client, connected with the keypair the controller admits."""
     info = _connection_info(cluster, "client", deadline)
-    return _KeyedClient(info, cluster=cluster, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
+    return across_hosts.KeyedClient(info, cluster=cluster, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
                         curve_keys=keys.client)
 
 
 def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,
-                               deadline: float, keys: CurveKeys | None = None) -> None:
+                               deadline: float, keys: across_hosts.CurveKeys | None = None) -> None:
     """Send the controller's connection info for engines down the lifelines (with the engines' CURVE keypair,
     across hosts: the lifeline is TLS there): engines on other hosts register with it, so their hosts need no
     shared folder and keep no file of the cluster."""
@@ -416,7 +279,7 @@ def _connection_info(cluster: ipp.Cluster, kind: str, deadline: float) -> dict:
             with open(path) as f:
                 return json.load(f)
         except (OSError, ValueError):
-            _check_alive(cluster)
+            launch_output.check_alive(cluster)
             if time.monotonic() > deadline:
                 raise DistError(f"the controller wrote no connection file for the {kind} ({path})") from None
             time.sleep(0.005)
