@@ -103,8 +103,8 @@ def _ipyparallel_settings() -> tuple[str, str]:
 
 def test_engines_on_other_hosts_read_no_file_of_the_cluster(world):
     """No folder shared between hosts is needed: the controller's connection info comes down each engine's
-    lifeline, and ipyparallel's profile there is the host's own empty one (the same for every cluster), so a host
-    keeps nothing of a cluster. The cluster's files stay on the kernel's host, outside the home directory."""
+    lifeline, and ipyparallel's profile there is the engine's own empty one (removed once it has registered), so a
+    host keeps nothing of a cluster. The cluster's files stay on the kernel's host, outside the home directory."""
     kernel_profile = world._launched.cluster.profile_dir
     assert not kernel_profile.startswith(os.path.expanduser("~")), kernel_profile
     with open(world._launched.cluster.controller.connection_files["engine"]) as f:
@@ -134,6 +134,51 @@ def test_stop_leaves_nothing_on_any_host(hosts):
     assert not any(left().values()), f"left after stop: {left()}"
     assert not os.path.exists(profile)
     assert stopped < 5, stopped
+
+
+def hydra_topology_files(pids) -> set[str]:
+    """The hwloc XML files (/tmp/hydra_hwloc_xmlfile_*) that these processes (Hydra's proxies among them) hold open,
+    whether or not their names are still in the folder."""
+    held = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if os.path.basename(target).startswith("hydra_hwloc_xmlfile_"):
+                held.add(target.removesuffix(" (deleted)"))
+    return held
+
+
+def engine_profiles(pids) -> set[str]:
+    """The ipyparallel profile directories these engines were given (IPP_PROFILE_DIR)."""
+    profiles = set()
+    for pid in pids:
+        try:
+            profiles.add(psutil.Process(pid).environ().get("IPP_PROFILE_DIR", ""))
+        except psutil.Error:
+            pass
+    return profiles - {""}
+
+
+def test_stop_leaves_no_file_of_the_cluster_on_any_host(hosts):
+    """Hydra's proxy on each host writes the hwloc XML file its ranks read in MPI_Init, and removes it only when it
+    ends well, which a stopped cluster's proxies do not: before, each cluster left one hydra_hwloc_xmlfile_* per
+    host in /tmp, and the engines' shared `engine-profile` folder stayed on every host. Now neither is left."""
+    before = {h.name: set(hosts.engine_pids(h)) for h in hosts.hosts}  # the module's other cluster, if running
+    cluster = start_on(hosts, 1)
+    ours = {p for h in hosts.hosts for p in set(hosts.engine_pids(h)) - before[h.name]}
+    held, profiles = hydra_topology_files(ours), engine_profiles(ours)
+    assert held and profiles, (held, profiles)  # the proxies' files, and the remote engines' profiles, seen
+    cluster.stop()
+    time.sleep(1)  # the cut-off proxies end
+    assert not {path for path in held if os.path.exists(path)}, held
+    assert not {path for path in profiles if os.path.exists(path)}, profiles
 
 
 def _children() -> list[str]:

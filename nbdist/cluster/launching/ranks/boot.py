@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -24,6 +25,7 @@ BACKEND_ENV = "NBDIST_BACKEND"  # "mpi" | "gloo" | "nccl" | "auto": what was ask
 DEVICE_ENV = "NBDIST_DEVICE"  # "cpu" forces CPU engines even where GPUs exist; "auto" binds GPUs by local rank
 PG_TIMEOUT_ENV = "NBDIST_PG_TIMEOUT"  # seconds a collective may wait before torch.distributed gives up
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder for gloo and NCCL: calls kept (0: off)
+ENGINE_PROFILE_PREFIX = "engine-profile-"  # + the pid: an engine's own ipyparallel profile on another host
 STAND_IN_ENV = "NBDIST_STAND_IN_PID"  # in a rank forked from the kernel: the pid of the process mpiexec started
 FLIGHT_RECORDER_CALLS = 512  # kept by default, as nbdist's own recorder keeps (the hang view reads both)
 
@@ -121,6 +123,35 @@ def _unlink_shared_memory_files() -> None:
             pass
 
 
+def _unlink_hydra_topology_file() -> None:
+    """Remove the hwloc XML file (/tmp/hydra_hwloc_xmlfile_*) that this host's Hydra proxy wrote for its ranks, once
+    all of them have read it (in MPI_Init). The proxy removes it only when it ends well, which a stopped cluster's
+    proxy, killed or cut off from mpiexec, does not: every cluster left one file on every host. Found among the
+    proxy's open files; the proxy is the parent of the process mpiexec started (this one, or a forked rank's
+    stand-in)."""
+    import psutil
+
+    try:
+        proxy = psutil.Process(int(os.environ.get(STAND_IN_ENV, os.getpid()))).parent()
+        held = [f.path for f in proxy.open_files()] if proxy is not None else []
+    except (psutil.Error, ValueError):
+        return
+    for path in held:
+        if os.path.basename(path).startswith("hydra_hwloc_xmlfile_"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _forget_engine_profile() -> None:
+    """Remove this engine's own profile directory on another host (ranks/main.py engine_profile_dir) once it has
+    registered: nothing reads it after ipyparallel's start, and an engine ended by a signal cannot at its end."""
+    path = os.environ.get("IPP_PROFILE_DIR", "")
+    if os.path.basename(path) == f"{ENGINE_PROFILE_PREFIX}{os.getpid()}":
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _visible_gpus(requested: str, cpu: bool) -> int:
     """CUDA devices this engine may use; 0 without looking when the engines are to be CPU engines (--cpu, --backend
     gloo), so that those never initialise CUDA."""
@@ -193,6 +224,7 @@ def boot() -> RankInfo:
     binding = _bind(comm, local_rank, ranks_on_host)  # a collective: every rank has mapped MPICH's segment
     if local_rank == 0:
         _unlink_shared_memory_files()
+        _unlink_hydra_topology_file()
     timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800")))
     store = _rendezvous_store(comm, single_host, timeout)
     backend = _init_process_group(binding, store, comm.rank, comm.size, timeout)
@@ -221,6 +253,7 @@ def info() -> dict:
     from nbdist.backend.ranks import idle_progress
 
     idle_progress.start()  # the kernel's first call runs on the engine's event loop: between cells, MPI moves on
+    _forget_engine_profile()  # registered: its profile directory on another host is read no more
     data = asdict(boot())
     data["rss_mib"] = psutil.Process().memory_info().rss / 2**20
     index = devices.Binding(data["device"], data["backend"]).gpu_index

@@ -5,13 +5,17 @@ rendezvous, process group) while the controller is still starting, and only then
 waits for the controller's connection file if it is not there yet.
 
 An engine on another host than the kernel's reads no file of the cluster: the controller's connection info comes
-down its lifeline, and ipyparallel's profile directory there is an empty one of this user's, the same for every
-cluster, so that a host keeps nothing of a cluster after it (not even when the engines are killed).
+down its lifeline, and ipyparallel's profile directory there is an empty one of this engine's, removed once the
+engine has registered (the kernel's first call: engines read nothing from it after their start), so that a host
+keeps nothing of a cluster after it (not even when the engines are killed; a start that failed earlier leaves it
+for the next engine on that host to remove).
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -63,9 +67,19 @@ def _use_keys(keys: list[str] | None) -> None:
 
 
 def engine_profile_dir() -> str:
-    """An empty ipyparallel profile directory of this user's on this host (engines write nothing into it)."""
+    """An empty ipyparallel profile directory of this engine's on this host (engines write nothing into it), after
+    removing those of engines that have ended (a shared one was left behind by every cluster). boot.info removes
+    it once the engine has registered."""
+    from nbdist.cluster.launching.ranks.boot import ENGINE_PROFILE_PREFIX
+
     user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    path = os.path.join(tempfile.gettempdir(), f"nbdist-{user}", "engine-profile")
+    root = os.path.join(tempfile.gettempdir(), f"nbdist-{user}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for left in glob.glob(os.path.join(root, ENGINE_PROFILE_PREFIX + "*")):
+        pid = left.rsplit("-", 1)[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(left, ignore_errors=True)
+    path = os.path.join(root, f"{ENGINE_PROFILE_PREFIX}{os.getpid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
