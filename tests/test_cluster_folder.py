@@ -41,3 +41,18 @@ def test_a_folder_another_user_made_is_one_line(monkeypatch, tmp_path):
     folder.chmod(0o777)
     message = _refused(monkeypatch, folder)
     assert message.endswith("belongs to another user: set NBDIST_CLUSTER_DIR to a folder of your own"), message
+
+
+def test_ipyparallel_settings_that_raise_are_one_line_naming_the_file(monkeypatch, tmp_path):
+    """The user's ipcluster_config.py is copied into each cluster's profile; before, one that raised was logged as
+    a traceback naming the copy, and the cluster started without any of its settings."""
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    settings = profile / "ipcluster_config.py"
+    settings.write_text("c = get_config()\nraise ValueError('broken setting')\n")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    root = tmp_path / "clusters"
+    message = _refused(monkeypatch, root)
+    assert message == (f"your ipyparallel settings {settings} line 2 raised ValueError: broken setting; "
+                       "fix or remove it (nothing was started)")
+    assert os.listdir(root) == []  # no profile directory of the refused cluster left

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 
 import psutil
 
@@ -71,8 +72,8 @@ def has_user_config(path: str) -> bool:
     return any(glob.glob(os.path.join(path, name + ".*")) for name in USER_CONFIG_FILES)
 
 
-def _copy_user_config(path: str) -> None:
-    """Settings such as a multi-host run's controller_ip live in the user's profile; the cluster still gets them."""
+def _user_config_files() -> list[str]:
+    """The user's ipyparallel settings files, in the kernel's IPython profile (else the default one)."""
     try:
         from IPython import get_ipython
         from IPython.paths import get_ipython_dir
@@ -80,11 +81,36 @@ def _copy_user_config(path: str) -> None:
         shell = get_ipython()
         user_profile = shell.profile_dir.location if shell else os.path.join(get_ipython_dir(), "profile_default")
     except Exception:
-        return
-    for name in USER_CONFIG_FILES:
-        for found in glob.glob(os.path.join(user_profile, name + ".*")):
-            if found.endswith((".py", ".json")):
-                shutil.copy(found, path)
+        return []
+    return [found for name in USER_CONFIG_FILES for found in glob.glob(os.path.join(user_profile, name + ".*"))
+            if found.endswith((".py", ".json"))]
+
+
+def _copy_user_config(path: str) -> None:
+    """Settings such as a multi-host run's controller_ip live in the user's profile; the cluster still gets them."""
+    for found in _user_config_files():
+        shutil.copy(found, path)
+
+
+def check_user_config() -> None:
+    """Load each of the user's settings files once, as ipyparallel will, before anything of a start runs:
+    ipyparallel logs a file that raises (a traceback naming the cluster's copy) and starts without any of its
+    settings, which the user then never learns."""
+    for path in _user_config_files():
+        _check_user_config(path)
+
+
+def _check_user_config(path: str) -> None:
+    from traitlets.config.loader import JSONFileConfigLoader, PyFileConfigLoader
+
+    loader = PyFileConfigLoader if path.endswith(".py") else JSONFileConfigLoader
+    try:
+        loader(os.path.basename(path), path=os.path.dirname(path)).load_config()
+    except Exception as e:  # noqa: BLE001 - whatever the user's file raises
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        where = f" line {frames[-1].lineno}" if frames else ""
+        raise DistError(f"your ipyparallel settings {path}{where} raised {type(e).__name__}: {e}; "
+                        "fix or remove it (nothing was started)") from None
 
 
 def remove_stale_profile_dirs(root: str) -> None:

@@ -183,6 +183,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
     returns False (the kernel has nothing else to do meanwhile: api.Cluster.start loads modules in it)."""
     deadline = time.monotonic() + options.timeout
     root = cluster_files.own_profile_root()  # before any process: one line where the cluster's folder cannot be had
+    cluster_files.check_user_config()  # and where the user's ipyparallel settings raise
     allocation = slurm.allocate(options.slurm, options.timeout) if options.slurm is not None else None
     warm_process = None
     try:
