@@ -123,9 +123,11 @@ def test_a_request_slurm_refuses_is_one_line_and_nothing_stays(slurm):
 
 def test_a_request_not_granted_in_time_is_withdrawn(slurm):
     started = time.monotonic()
+    """With Slurm's own reason for keeping it pending (squeue's REASON; before, the line had none)."""
     with pytest.raises(DistError, match=r"^Slurm did not grant the request \(--nodes=3 --ntasks-per-node=1\) "
-                                        r"within 5 s; it was withdrawn"):
+                                        r"within 5 s \(Slurm's reason: \w+\); it was withdrawn") as late:
         nbdist.Cluster(ClusterOptions(slurm={"nodes": 3}, cpu=True, timeout=5)).start()
+    assert "\n" not in str(late.value)
     assert time.monotonic() - started < 15
     time.sleep(0.5)
     assert not slurm.jobs(), slurm.jobs()

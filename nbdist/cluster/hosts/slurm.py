@@ -201,15 +201,18 @@ def allocate(request: SlurmRequest, timeout: float) -> Allocation:
     line = _first_line(process, timeout)
     if line is None:
         refused = process.poll() is not None  # salloc ended by itself: Slurm said no
+        early = "" if refused else _said_so_far(process)
+        reason = "" if refused else _pending_reason(early)
         if not refused:
             process.send_signal(signal.SIGINT)  # salloc withdraws a pending request on an interrupt
-        said, job = _said(process)
+        said, job = _said(process, early)
         Allocation(job, {}, [], process).release()
         asked = " ".join(request.salloc([])[1:])
         if refused:
             raise DistUsageError(f"Slurm refused the request ({asked}): {said or 'salloc exited'}")
-        raise DistError(f"Slurm did not grant the request ({asked}) within {timeout:g} s; it was withdrawn (raise "
-                        f"--timeout, or ask for less)")
+        why = f" (Slurm's reason: {reason})" if reason else ""
+        raise DistError(f"Slurm did not grant the request ({asked}) within {timeout:g} s{why}; it was withdrawn "
+                        f"(raise --timeout, or ask for less)")
     variables = json.loads(line)
     return Allocation(variables["SLURM_JOB_ID"], variables, hostnames(variables.get("SLURM_JOB_NODELIST", "")),
                       process)
@@ -229,12 +232,37 @@ def _first_line(process: subprocess.Popen, timeout: float) -> str | None:
     return None
 
 
-def _said(process: subprocess.Popen) -> tuple[str, str]:
+def _said_so_far(process: subprocess.Popen) -> str:
+    """What salloc has written on its stderr until now (its pending job's id), read without waiting."""
+    os.set_blocking(process.stderr.fileno(), False)
+    try:
+        return (process.stderr.read() or b"").decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.set_blocking(process.stderr.fileno(), True)
+
+
+def _pending_reason(said: str) -> str:
+    """Why Slurm keeps the job salloc named pending: squeue's REASON (e.g. Resources, PartitionConfig,
+    PartitionNodeLimit), asked before the request is withdrawn; "" where squeue cannot say."""
+    job = re.search(r"job allocation (\d+)", said)
+    if job is None or not shutil.which("squeue"):
+        return ""
+    try:
+        shown = subprocess.run(["squeue", "-h", "-j", job.group(1), "-o", "%r"], capture_output=True, text=True,
+                               timeout=10)
+    except (subprocess.TimeoutExpired, OSError):
+        return ""
+    return shown.stdout.strip() if shown.returncode == 0 and shown.stdout.strip() != "None" else ""
+
+
+def _said(process: subprocess.Popen, early: str = "") -> tuple[str, str]:
     """salloc's own complaint, in one line ("salloc: error: ..." without its prefix), and the job id it named, if
-    any (a pending request has one, which must not stay in the queue)."""
+    any (a pending request has one, which must not stay in the queue); `early`: what of its stderr was read before."""
     try:
         process.wait(timeout=5)
-        text = process.stderr.read().decode(errors="replace")
+        text = early + process.stderr.read().decode(errors="replace")
     except (subprocess.TimeoutExpired, OSError, ValueError):
         return "", ""
     errors = [line.split("error:", 1)[1].strip() for line in text.splitlines() if "error:" in line]
