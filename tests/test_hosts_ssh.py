@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -209,6 +210,32 @@ def test_an_unreachable_host_is_one_line_within_seconds_and_nothing_is_left(host
     # the rank on the reachable host was killed before MPI's start was done: the stop removed its MPICH segment
     # (the test's hosts share this machine's /dev/shm; on a real host its next start does: tests/test_mpi_segments.py)
     assert _mpi_segments() <= segments
+
+
+def test_a_host_without_the_kernels_python_is_named(hosts):
+    """The second host lacks the kernel's Python (its venv's path): ssh reaches it, and the command there names a
+    path that is not there. Before: "...: bash: line 1: /nonexistent-venv/bin/python: No such file or directory",
+    naming no host."""
+    victim = hosts.hosts[1]
+    ssh = hosts.folder / "ssh-without-the-venv"  # ssh as usual, but the victim's command names a path not there
+    ssh.write_text(f"#!{sys.executable}\nimport os, sys\nargs = sys.argv[1:]\n"
+                   f"if {victim.address!r} in args:\n"
+                   f"    args = [a.replace({sys.prefix!r}, '/nonexistent-venv') for a in args]\n"
+                   f"os.execv({str(hosts.ssh)!r}, [{str(hosts.ssh)!r}] + args)\n")
+    ssh.chmod(0o755)
+    before, started = _children(), time.monotonic()
+    with pytest.raises(DistError) as failed:
+        nbdist.Cluster(ClusterOptions(n=2, hosts=hosts.names(1), mpi_args=("-launcher", "ssh", "-launcher-exec", str(ssh)),
+                                      cpu=True, timeout=START_TIMEOUT)).start()
+    line = str(failed.value)
+    assert line == (f"the engines' mpiexec exited during start-up: host {victim.address} has no "
+                    "/nonexistent-venv/bin/python (the Python of the kernel, which its engines run): make the same "
+                    "environment at the same path there"), line
+    assert time.monotonic() - started < 20
+    deadline = time.monotonic() + 10  # the other host's ssh session ends as its proxy does
+    while _children() != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _children() == before
 
 
 def _mpi_segments() -> set[str]:

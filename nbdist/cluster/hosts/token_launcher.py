@@ -32,12 +32,20 @@ RECEIVE = ("import os,sys;"
            "os.execv(sys.argv[2],sys.argv[2:])")
 
 
+# Runs the receiver if the host has the kernel's Python, else says so naming the host (Hydra only relays the remote
+# shell's "python: No such file or directory", naming none). One line of sh without "!": any login shell passes it.
+CHECK = ('test -x "$0" || {{ echo "nbdist: host {host} has no $0 (the Python of the kernel, which its engines run): '
+         'make the same environment at the same path there" >&2; exit 127; }}; exec "$0" "$@"')
+
+
 def remote_command(args: list[str], python: str) -> list[str] | None:
     """ssh's arguments with the receiver put before Hydra's proxy; None where no proxy is named (not Hydra's)."""
     at = next((i for i, arg in enumerate(args) if PROXY in arg), None)
     if at is None:
         return None
-    return args[:at] + [shlex.quote(python), "-S", "-c", shlex.quote(RECEIVE), TOKEN_ENV] + args[at:]
+    host = args[at - 1] if at and all(c.isalnum() or c in ".:-_@[]" for c in args[at - 1]) else "(unnamed)"
+    return args[:at] + ["sh", "-c", shlex.quote(CHECK.format(host=host)), shlex.quote(python), "-S", "-c",
+                        shlex.quote(RECEIVE), TOKEN_ENV] + args[at:]
 
 
 def main() -> None:

@@ -70,4 +70,4 @@ def _complaint(output: str) -> str:
     if raised:
         return raised[-1]
     own = [line for line in lines if not line.startswith(("[mpiexec@", "[proxy:"))]
-    return (own or lines or ["(no output)"])[0]
+    return (own or lines or ["(no output)"])[0].removeprefix("nbdist: ")  # the token launcher's own word
