@@ -183,7 +183,14 @@ def test_stop_leaves_no_file_of_the_cluster_on_any_host(hosts):
 
 
 def _children() -> list[str]:
-    return sorted(p.name() for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+    names = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                names.append(proc.name())
+        except psutil.NoSuchProcess:  # ended since it was listed
+            pass
+    return sorted(names)
 
 
 def test_a_name_that_does_not_resolve_is_one_line_before_anything_starts(hosts):
@@ -412,3 +419,28 @@ def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts):
     while _nbdist_pids(hosts) - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _nbdist_pids(hosts) - before, link
+
+
+def test_a_host_that_drops_off_during_the_start_is_named_within_seconds(hosts):
+    """The second host's network goes down 2 s into a start (ssh has reached it; its engine is starting). Before:
+    the start waited its whole timeout (30 s here) to say "only 1 of 2 engines registered within 30 s (raise
+    --timeout?)", naming no host. (Last: the module's cluster loses that host's engines too.)"""
+    victim = hosts.hosts[1]
+    before, on_host = _children(), set(hosts.engine_pids(hosts.hosts[0]))
+    threading.Timer(2.0, hosts.set_link, (victim, "down")).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DistError) as lost:
+            nbdist.Cluster(ClusterOptions(n=2, hosts=hosts.names(1), mpi_args=hosts.mpi_args, cpu=True,
+                                          timeout=30)).start()
+        took = time.monotonic() - started
+    finally:
+        hosts.set_link(victim, "up")
+    line = str(lost.value)
+    assert line == (f"host {victim.address} (rank 1) stopped answering during the start (no answer within 3 s): its "
+                    "engines cannot register; the start was stopped"), line
+    assert took < 15, took
+    deadline = time.monotonic() + 40  # the cut-off engine notices the lost kernel by keepalive
+    while (_children() != before or set(hosts.engine_pids(hosts.hosts[0])) - on_host) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _children() == before and not set(hosts.engine_pids(hosts.hosts[0])) - on_host

@@ -42,7 +42,7 @@ import psutil
 from nbdist.cluster.hosts import lifeline_server, slurm
 from nbdist.cluster.launching import files as cluster_files
 from nbdist.cluster.hosts.ranks import addresses
-from nbdist.cluster.launching import across_hosts, launch_output, mpi_segments, privacy, warm
+from nbdist.cluster.launching import across_hosts, host_probe, launch_output, mpi_segments, privacy, warm
 from nbdist.cluster.launching.ranks.main import ENGINE_KEYS, ENGINE_KEYS_ENV, START_TIMEOUT_ENV
 from nbdist.cluster.options import ClusterOptions
 from nbdist.cluster.waiting import deaths
@@ -233,10 +233,12 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         client = launched.client = (cluster.connect_client_sync() if keys is None
                                     else _connect_keyed_client(cluster, keys, deadline))
         _publish_engine_connection(cluster, lifeline, deadline, keys)
-        checked = 0.0
+        checked, hosts = 0.0, host_probe.HostWatch(options.host_names() if options.hosts else [])
         while len(client.ids) < options.n:
             if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
                 launch_output.check_alive(cluster)
+                if silent := hosts.silent():
+                    raise DistError(host_probe.silent_line(silent, host_probe.ranks_on(options.hosts, options.n)))
                 checked = time.monotonic()
             if time.monotonic() > deadline:
                 raise DistError(
