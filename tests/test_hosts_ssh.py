@@ -392,9 +392,11 @@ def test_a_mesh_keeps_tensor_parallel_groups_within_a_host_and_says_so(world):
     assert str(mesh).splitlines()[0].endswith("; pp groups across hosts, tp groups within a host")
 
 
-def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts):
+def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts, capfd):
     """The second host's network goes down while a cell runs: within about half a minute (TCP keepalive on the
-    lifelines) the cell ends with one line naming the host and its rank, and its engines end themselves."""
+    lifelines) the cell ends with one line naming the host and its rank, and its engines end themselves. Only that
+    line: before, it went on with ipyparallel's "rank 1 raised EngineError: Engine 1 died while running task
+    '...'", and ipyparallel's frames were printed for the rank."""
     before = _nbdist_pids(hosts)
     cluster = start_on(hosts, 1)
     victim = hosts.hosts[1]
@@ -409,6 +411,10 @@ def test_a_host_that_becomes_unreachable_is_named_with_its_ranks(hosts):
         assert line.startswith(f"rank(s) 1 on {victim.name} stopped answering: the engine died, or its host cannot "
                                f"be reached"), line
         assert took < 60 and "\n" not in line, (took, line)
+        assert line == (f"rank(s) 1 on {victim.name} stopped answering: the engine died, or its host cannot be "
+                        "reached, which ends the whole MPI job; %dist_restart (or cluster.restart()) starts fresh "
+                        "engines; engine variables are lost"), line
+        assert "ipyparallel" not in capfd.readouterr().err
         hosts.set_link(victim, "up")
         cluster.restart()  # the host is back: the same options start the same world again
         assert cluster.hosts == [h.name for h in hosts.hosts] and cluster.run(on_rank_sums)[0]["mpi"] == 1

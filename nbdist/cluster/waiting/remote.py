@@ -348,12 +348,15 @@ class Waiter:
         # nbdist's interrupt (or the user's): a KeyboardInterrupt the cell raised itself is its own failure
         interrupted = [r for r, e in failed.items()
                        if _interrupted(e) and (r in self._signalled or kind is DistInterrupt)]
-        causes = {r: e for r, e in failed.items() if r not in interrupted}  # the rest: nbdist's interrupt
-        if not causes and not self._viewed:  # where each rank was when interrupted: its traceback says it
+        # ranks the controller lost (ipyparallel's "Engine 2 died while running task ...", with its own frames):
+        # the reason line names them, with their host
+        lost = {r for r, e in failed.items() if reason is not None and _engine_died(e)}
+        causes = {r: e for r, e in failed.items() if r not in interrupted and r not in lost}  # the rest: nbdist's
+        if not causes and not self._viewed and not lost:  # interrupt; where each rank was: its traceback says it
             causes = failed
         shown = ((r, remote_traceback(e)) for r, e in causes.items() if not exited(e))  # sys.exit: the line says it
         write_grouped(shown, sys.stderr)
-        said = grouped((r, failure_phrase(e)) for r, e in failed.items() if r not in interrupted)
+        said = grouped((r, failure_phrase(e)) for r, e in failed.items() if r not in interrupted and r not in lost)
         raised = [f"{ranks_label(ranks)} {phrase}" for ranks, phrase in said]
         parts = [p for p in (reason, "; ".join(raised)) if p]
         if action:
