@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -110,6 +111,24 @@ def test_a_node_whose_slurmd_dies_is_named_with_its_ranks_and_the_cluster_stops_
         assert_nothing_left(slurm, 15)
     finally:
         slurm.start_slurmd(victim)  # the node returns to service when its slurmd registers again
+
+
+def test_a_rank_killed_with_sigkill_is_said_so(slurm):
+    """Hydra under srun reports a rank that SIGKILL ended as "EXIT CODE: 9" with no exit string; before, the line
+    said "died (exit code 9)"."""
+    cluster = nbdist.Cluster(ClusterOptions(slurm={"nodes": 2, "tasks_per_node": 1}, cpu=True,
+                                            timeout=START_TIMEOUT)).start()
+    try:
+        pids = cluster.run(os.getpid)
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        with pytest.raises(DistError) as died:
+            cluster.run(on_rank_sleep, 60, timeout=90)
+        line = str(died.value)
+        assert line.startswith(f"rank 1 (pid {pids[1]} on {slurm.hosts.hosts[1].name}) died (SIGKILL: killed, or out "
+                               "of memory), which ends the whole MPI job"), line
+    finally:
+        cluster.stop()
+    assert_nothing_left(slurm, 15)
 
 
 def test_a_request_slurm_refuses_is_one_line_and_nothing_stays(slurm):

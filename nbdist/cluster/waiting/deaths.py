@@ -146,7 +146,11 @@ class DeathWatch:
             return None
         pid, killed = int(found.group(1)), _SIGNAL.search(text, found.end())
         rank = next((r for r, (_, p) in self.pids.items() if pid in (p, self.launched.get(r))), None)
-        cause = _signal_cause(int(killed.group(1))) if killed else f" (exit code {found.group(3)})"
+        code = int(found.group(3))
+        # Hydra's exit code of a process a signal ended is the signal's number, and its words for the signal may be
+        # missing (under srun: "EXIT CODE: 9", no exit string); 9 is read as SIGKILL, which no engine exits with
+        signalled = int(killed.group(1)) if killed else signal.SIGKILL if code == signal.SIGKILL else None
+        cause = _signal_cause(signalled) if signalled else f" (exit code {code})"
         return None if rank is None else (rank, cause)
 
 
