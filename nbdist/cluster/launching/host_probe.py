@@ -3,7 +3,8 @@
 Why: a host that drops off the network after ssh has reached it leaves nothing to notice: its engines never
 register, mpiexec's connection to its proxy just stalls, and the start waited its whole timeout to say "only 1 of 2
 engines registered (raise --timeout?)", naming no host. A host that answers a TCP connection (accepted or refused,
-on any port) is on the network; one that answers neither within a few seconds is not.
+on any port) is on the network; one that answered once and then answers neither within a few seconds has dropped off (one that never
+answered may only filter the port asked, so it is not named).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import time
 
 PORT = 22  # any port does: a refusal answers as well as an accept
 ANSWER_SECONDS = 3.0  # a host on the cluster's network answers within milliseconds
-FIRST_AFTER_SECONDS = 3.0  # engines that have not registered by then may be waiting on a host that is gone
 EVERY_SECONDS = 2.0
 
 
@@ -24,18 +24,21 @@ def answers(host: str, timeout: float = ANSWER_SECONDS) -> bool:
             return True
     except ConnectionRefusedError:
         return True
+    except socket.gaierror:  # a name this host cannot resolve: nothing to tell
+        return True
     except OSError:  # timed out, no route, network unreachable
         return False
 
 
 class HostWatch:
-    """Asks the hosts in the background, every few seconds while a start waits; `silent()` lists those that did not
-    answer the last time they were asked."""
+    """Asks the hosts in the background, every few seconds while a start waits; `silent()` lists those that answered
+    before and not the last time they were asked."""
 
     def __init__(self, hosts: list[str]) -> None:
         self.hosts = list(dict.fromkeys(hosts))
         self._silent: list[str] = []
-        self._next = time.monotonic() + FIRST_AFTER_SECONDS
+        self._answered: set[str] = set()
+        self._next = time.monotonic()
         self._asking: threading.Thread | None = None
 
     def silent(self) -> list[str]:
@@ -53,7 +56,8 @@ class HostWatch:
             thread.start()
         for thread in threads:
             thread.join()
-        self._silent = [h for h in self.hosts if not results.get(h, True)]
+        self._silent = [h for h in self.hosts if h in self._answered and not results.get(h, True)]
+        self._answered |= {h for h in self.hosts if results.get(h, True)}
 
 
 def ranks_on(hosts: tuple[str, ...], n: int) -> dict[str, list[int]]:

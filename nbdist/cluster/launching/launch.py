@@ -202,6 +202,8 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         raise
     launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
     keys = None if one_host else across_hosts.CurveKeys.new()
+    hosts = host_probe.HostWatch(options.host_names() if options.hosts else [])
+    hosts.silent()  # the first answers now: a host that answered and then does not has dropped off
     try:
         lifeline = launched.lifeline = lifeline_server.serve(
             kernel_address, privacy.lifeline_path(cluster.profile_dir, one_host),
@@ -233,7 +235,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         client = launched.client = (cluster.connect_client_sync() if keys is None
                                     else _connect_keyed_client(cluster, keys, deadline))
         _publish_engine_connection(cluster, lifeline, deadline, keys)
-        checked, hosts = 0.0, host_probe.HostWatch(options.host_names() if options.hosts else [])
+        checked = 0.0
         while len(client.ids) < options.n:
             if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
                 launch_output.check_alive(cluster)
