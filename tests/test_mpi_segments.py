@@ -2,7 +2,9 @@
 (nbdist/cluster/launching/mpi_segments.py): files of this user that no live process maps or holds open.
 
 The files here are real files in /dev/shm under MPICH's prefix, mapped or held open by real processes; the last test
-starts real launched ranks (not forked), which remove their host's stale files before MPI starts. The removal after
+starts real launched ranks (not forked): the start removes its host's stale files before MPI starts, in the kernel
+(ranks in the cluster's own user namespace cannot read the maps of processes outside it: they removed a mapped
+file), and ranks on other hosts remove theirs. The removal after
 a failed start is tested where it happens, on hosts: tests/test_hosts_ssh.py (an unreachable host).
 """
 from __future__ import annotations
@@ -99,7 +101,7 @@ def test_a_file_whose_mapper_died_is_no_longer_held(made, holder):
     assert path not in mpi_segments.held()
 
 
-def test_launched_ranks_remove_their_hosts_stale_files_before_mpi_starts(made, holder):
+def test_a_start_removes_its_hosts_stale_files_before_mpi_starts(made, holder):
     stale, mapped = made(), made()
     holder(mapped, "map")
     old = time.time() - mpi_segments.STALE_SECONDS - 5

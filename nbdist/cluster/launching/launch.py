@@ -200,6 +200,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         if allocation is not None:
             allocation.release()
         raise
+    mpi_segments.remove_stale()  # this host's files of starts killed before MPI's own start was done
     launched = Launched(cluster, allocation=allocation, warm_process=warm_process)
     keys = None if one_host else across_hosts.CurveKeys.new()
     hosts = host_probe.HostWatch(options.host_names() if options.hosts else [])

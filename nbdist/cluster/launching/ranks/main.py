@@ -33,7 +33,9 @@ def main() -> None:
     lifeline.start()
     from nbdist.cluster.launching import mpi_segments
 
-    mpi_segments.remove_stale()  # an earlier start on this host killed before MPI's start was done left these
+    if not lifeline.on_kernel_host():  # an earlier start killed before MPI's start was done left these; on the
+        mpi_segments.remove_stale()  # kernel's host the kernel removes them (a rank in the cluster's own user
+        # namespace cannot read the maps of processes outside it, and would take a mapped file for a stale one)
     from nbdist.cluster.launching.ranks import boot
 
     boot.boot()
