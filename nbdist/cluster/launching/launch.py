@@ -28,7 +28,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -45,7 +44,6 @@ from nbdist.cluster.hosts.ranks import addresses
 from nbdist.cluster.launching import across_hosts, host_probe, launch_output, mpi_segments, privacy, warm
 from nbdist.cluster.launching.ranks.main import ENGINE_KEYS, ENGINE_KEYS_ENV, START_TIMEOUT_ENV
 from nbdist.cluster.options import ClusterOptions
-from nbdist.cluster.waiting import deaths
 from nbdist.errors import DistError
 
 HEARTBEAT_MS = 100
@@ -190,9 +188,9 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         kernel_address = options.kernel_address(allocation)
         one_host = kernel_address == addresses.LOOPBACK and allocation is None
         refused = privacy.private_net_refused(root) if one_host else None
+        private = one_host and refused is None  # mpiexec and the warm process in a network of their own
         if options.fork and warm.usable(options.multi_host() or allocation is not None) is None:
-            warm_process = _warm_or_none(one_host and refused is None)  # first: it loads what ranks need while
-            # the controller starts
+            warm_process = _warm_or_none(private)  # first: it loads what ranks need while the controller starts
         cluster = _new_cluster(options, kernel_address, one_host)
     except BaseException:
         if warm_process is not None:
@@ -226,7 +224,7 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                 "--log-level=40",
                 f"--IPEngine.wait_for_url_file={options.timeout}",
             ],
-            mpi_cmd=privacy.wrapped(options.mpiexec(), one_host and refused is None),
+            mpi_cmd=privacy.wrapped(options.mpiexec(), private),
             mpi_args=mpi_args,
             environment={**_engine_environment(options, lifeline, kernel_address),
                          **(privacy.environment(refused) if one_host else {}),
@@ -261,8 +259,8 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
 def _connect_keyed_client(cluster: ipp.Cluster, keys: across_hosts.CurveKeys, deadline: float) -> ipp.Client:
     """ipyparallel's client, connected with the keypair the controller admits."""
     info = _connection_info(cluster, "client", deadline)
-    return across_hosts.KeyedClient(info, cluster=cluster, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
-                        curve_keys=keys.client)
+    return across_hosts.KeyedClient(info, cluster=cluster, profile_dir=cluster.profile_dir,
+                                    cluster_id=cluster.cluster_id, curve_keys=keys.client)
 
 
 def _publish_engine_connection(cluster: ipp.Cluster, lifeline: lifeline_server.LifelineServer,

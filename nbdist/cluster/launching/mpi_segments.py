@@ -8,10 +8,12 @@ because another host could not be reached, a start interrupted or timed out) lea
 host reboots, and each such start adds one. So:
 - a stop removes the files made on the kernel's host since its cluster's engines were launched that no live process
   maps or holds open (a normal stop finds none);
-- every rank, as it starts (cluster/launching/ranks/main.py: a launched rank before MPI starts, a forked one just after, when
-  its own file is fresh and mapped), removes its host's files that no live process maps or holds open and that have
-  not changed for STALE_SECONDS (on another host, that is where a failed start's file goes at the next start there:
-  the kernel cannot reach that host's files).
+- a start removes its host's files that no live process maps or holds open and that have not changed for
+  STALE_SECONDS: the kernel, before it launches (cluster/launching/launch.py: a rank in the cluster's own user
+  namespace cannot read the maps of processes outside it), and each rank on another host as it starts
+  (cluster/launching/ranks/main.py: that is where a failed start's file goes at the next start there, the kernel
+  cannot reach that host's files);
+- a rank ending without MPI_Finalize removes the names of the files it maps (`unlink_mapped`).
 Only this user's files: a running job's segment is mapped by its ranks, or already has no name.
 
 Standard library only: it runs in a rank before torch and MPI are loaded.
