@@ -108,10 +108,18 @@ def captured(network):
     """A 2-host cluster, started and running a cell while every frame on the bridge is captured; the capture and
     the cluster (still running, for the probes)."""
     names = ",".join(f"{h.address}:1" for h in network.hosts[:2])
-    capture = Capture(network.bridge)
+    capture, cluster = captured_start(network.bridge, ClusterOptions(n=2, hosts=names, mpi_args=network.mpi_args,
+                                                                     cpu=True, timeout=120.0))
+    yield capture, cluster
+    cluster.stop()
+
+
+def captured_start(bridge: str, options: ClusterOptions) -> tuple[Capture, nbdist.Cluster]:
+    """A cluster started and running a cell while every frame on `bridge` is captured (also for Slurm's hosts:
+    tests/test_hosts_slurm_privacy.py)."""
+    capture = Capture(bridge)
     try:
-        cluster = nbdist.Cluster(ClusterOptions(n=2, hosts=names, mpi_args=network.mpi_args, cpu=True,
-                                                timeout=120.0)).start()
+        cluster = nbdist.Cluster(options).start()
         try:
             cluster.execute(CELL, output="none")
             time.sleep(0.5)  # the output's last frames
@@ -120,8 +128,7 @@ def captured(network):
             raise
     finally:
         capture.stop()
-    yield capture, cluster
-    cluster.stop()
+    return capture, cluster
 
 
 def _secrets(cluster: nbdist.Cluster) -> dict[str, bytes]:

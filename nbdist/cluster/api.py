@@ -273,7 +273,7 @@ class Cluster:
         took to start, and what each rank holds (`holdings`)."""
         rows = self.run(boot.info)
         self._info = rows
-        return Status(rows, self.startup_seconds, self.holdings())
+        return Status(rows, self.startup_seconds, self.holdings(), list(self._launched.left_open))
 
     def why(self, timeout: float = WHY_SECONDS):
         """What every rank is doing now and why the ranks wait (debugging/hang.py): each rank's flight recorder and

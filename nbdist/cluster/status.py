@@ -24,6 +24,7 @@ class Status:
     rows: list[dict]
     startup_seconds: float | None = None
     holdings: list[dict] = field(default_factory=list)  # rank, kind, name, bytes, what
+    left_open: list[str] = field(default_factory=list)  # the kernel's side: what it leaves open, in words
 
     HEADER = ("rank", "host", "pid", "device", "backend", "memory")
     HOLDINGS_HEADER = ("rank", "holds", "name", "tensors", "what")
@@ -47,8 +48,10 @@ class Status:
 
     def _open_note(self) -> list[str]:
         """What a protection the OS refused leaves open (one line each, once for all ranks: they share Hydra's
-        port): nbdist starts without it rather than not at all, and says so here."""
-        return [f"open: {line}" for line in sorted({line for row in self.rows for line in row.get("left_open", ())})]
+        port), and what the kernel's side leaves open (a lifeline token that crosses the network in clear): nbdist
+        starts without it rather than not at all, and says so here."""
+        ranks = {line for row in self.rows for line in row.get("left_open", ())}
+        return [f"open: {line}" for line in sorted(ranks | set(self.left_open))]
 
     def _holdings_note(self) -> list[str]:
         return [] if self.holdings else ["the ranks hold no nbdist objects (pipelines, meshes, groups)"]

@@ -13,8 +13,8 @@ Two ways to notice, chosen by host name (the kernel's travels in the environment
 Across hosts the connection is TLS: the kernel's certificate, made for the cluster, is pinned by its SHA-256 (public,
 in the environment), and the token and what comes back (the controller's connection info and keys) are never in
 clear on the wire. The token itself does not travel in the engines' environment there (mpiexec hands that to its
-proxies in clear): ssh brings it (cluster/hosts/token_launcher.py); on the kernel's host it is a file of the
-cluster's 0700 folder.
+proxies in clear): ssh brings it, or under Slurm a MUNGE credential (cluster/hosts/token_launcher.py); on the
+kernel's host it is a file of the cluster's 0700 folder.
 
 Before it ends its process, a lifeline on the kernel's host also removes the cluster's own profile directory
 (connection files, logs), which a SIGKILLed kernel cannot remove itself: a directory is removed only if its owner

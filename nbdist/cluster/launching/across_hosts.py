@@ -3,14 +3,18 @@
 The controller speaks CurveZMQ and admits only the kernel's client and the engines, by keypairs the kernel makes for
 each cluster (`CurveKeys`; controller.py's ZAP handler admits them); the lifeline is TLS (cluster/hosts/
 lifeline_server.py); and its token, which mpiexec would hand to its proxies in clear if it were in the engines'
-environment, reaches the other hosts through ssh's own channel (`launch_args_with_token`,
-cluster/hosts/token_launcher.py). What MPI itself still sends in clear is in docs/security.md.
+environment, reaches the other hosts through ssh's own channel, or under Slurm as MUNGE credentials
+(`launch_args_with_token`, cluster/hosts/token_launcher.py). Where neither can carry it, it crosses in clear, and
+the cluster's status says so in one line. What MPI itself still sends in clear is in docs/security.md.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -65,11 +69,13 @@ def _flag(arg: str) -> str:
 
 
 def launch_args_with_token(args: list[str], profile_dir: str,
-                            lifeline: lifeline_server.LifelineServer) -> tuple[list[str], bool]:
+                            lifeline: lifeline_server.LifelineServer) -> tuple[list[str], bool, str]:
     """mpiexec's arguments with its launcher wrapped (cluster/hosts/token_launcher.py) so that the lifeline's token
-    reaches the other hosts over ssh (or in srun's environment), not in mpiexec's own; and whether it does. Not
-    where the launcher is another (fork, lsf, ...), or the cluster's folder cannot hold a program (noexec): the
-    token then travels in the engines' environment, as mpiexec sends it, in clear."""
+    reaches the other hosts over ssh (or as MUNGE credentials in srun's environment), not in mpiexec's own; whether
+    the wrapper carries it; and, where it crosses the network in clear, what the status says of it (else ""). In
+    clear: in srun's environment where munge does not work here (`slurm_channel`); in the engines' environment, as
+    mpiexec sends it, where the launcher is another (fork, lsf, ...) or the cluster's folder cannot hold a program
+    (noexec)."""
     launcher, executable, kept, i = None, None, [], 0
     while i < len(args):
         name, arg = _flag(args[i]), args[i]
@@ -87,10 +93,42 @@ def launch_args_with_token(args: list[str], profile_dir: str,
         kept = ["-launcher", launcher] + kept
     noexec = os.statvfs(profile_dir).f_flag & getattr(os, "ST_NOEXEC", 0)
     if launcher not in _LAUNCHERS or noexec:
-        return args, False
+        why = "the cluster's folder is on a noexec file system" if noexec else f"Hydra's launcher {launcher} has none"
+        return args, False, (f"the lifeline's token crosses the network in clear, in the engines' environment "
+                             f"(mpiexec sends it to its proxies): no private channel for it ({why})")
+    kind, why = slurm_channel() if launcher == "slurm" else ("ssh", "")
     script = os.path.join(profile_dir, "launcher")
-    command = [sys.executable, "-S", token_launcher.__file__, "srun" if launcher == "slurm" else "ssh",
-               executable or _LAUNCHERS[launcher], lifeline.token_file, sys.executable]
+    command = [sys.executable, "-S", token_launcher.__file__, kind, executable or _LAUNCHERS[launcher],
+               lifeline.token_file, sys.executable]
     with os.fdopen(os.open(script, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700), "w") as f:
         f.write("#!/bin/sh\nexec " + " ".join(map(shlex.quote, command)) + ' "$@"\n')
-    return kept + ["-launcher-exec", script], True
+    said = (f"the lifeline's token crosses Slurm's network in clear, in srun's environment (Slurm signs its launch "
+            f"request but does not encrypt it): {why}") if why else ""
+    return kept + ["-launcher-exec", script], True, said
+
+
+def slurm_channel() -> tuple[str, str]:
+    """How the token reaches srun's tasks: ("munge=<munged's socket>", "") where Slurm authenticates with munge and
+    munge encodes here (a credential with no payload, a few ms), its socket Slurm's own (AuthInfo's socket=, else
+    munge's default); else ("srun", why not): the token in srun's environment."""
+    if shutil.which("munge") is None:
+        return "srun", "no munge on the kernel's PATH"
+    try:
+        shown = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30,
+                               check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        shown = ""
+    config = dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", shown, re.MULTILINE))
+    if "munge" not in config.get("AuthType", "auth/munge"):
+        return "srun", f"Slurm's AuthType is {config['AuthType']}, not munge, so its nodes may have no munged"
+    socket = re.search(r"socket=([^,\s]+)", config.get("AuthInfo", ""))
+    socket_args = [f"--socket={socket.group(1)}"] if socket else []
+    try:
+        probe = subprocess.run(["munge", "--no-input", *socket_args], capture_output=True, text=True, timeout=30,
+                               check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return "srun", f"munge failed here ({e})"
+    if probe.returncode:
+        said = probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"]
+        return "srun", f"munge failed here ({said[-1]})"
+    return "munge=" + (socket.group(1) if socket else ""), ""

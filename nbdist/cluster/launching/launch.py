@@ -64,6 +64,7 @@ class Launched:
     allocation: slurm.Allocation | None = None
     warm_process: warm.WarmProcess | None = None
     launched_at: float = field(default_factory=time.time)
+    left_open: list[str] = field(default_factory=list)  # what the kernel's side leaves open, in words (status: "open:")
 
     def processes(self) -> list[psutil.Process]:
         """Every process of the cluster: controller, mpiexec, Hydra proxies, the engines, the warm process."""
@@ -212,7 +213,8 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
                                       + ([keys.admit_arg()] if keys else []))
         mpi_args, secrets_env = options.launch_args(kernel_address), {}
         if keys is not None:
-            mpi_args, delivered = across_hosts.launch_args_with_token(mpi_args, cluster.profile_dir, lifeline)
+            mpi_args, delivered, in_clear = across_hosts.launch_args_with_token(mpi_args, cluster.profile_dir, lifeline)
+            launched.left_open += [in_clear] if in_clear else []
             secrets_env = {ENGINE_KEYS_ENV: keys.write_engine_keys(cluster.profile_dir),
                            **({} if delivered else lifeline.secret_environment())}
         cluster.start_engines_sync(

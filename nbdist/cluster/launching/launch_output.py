@@ -10,6 +10,7 @@ import time
 
 import ipyparallel as ipp
 
+from nbdist.cluster.hosts import token_launcher
 from nbdist.cluster.waiting import deaths
 from nbdist.errors import DistError
 
@@ -31,6 +32,11 @@ def check_alive(cluster: ipp.Cluster) -> None:
     for name, launcher in parts:
         if launcher is not None and (launcher.state == "after" or _ended(launcher)):
             raise DistError(f"the {name} exited during start-up: {_complaint(_last_words(launcher))}")
+    for launcher in cluster.engines.values():  # a node that cannot read the token: its proxy never starts, and the
+        unread = [line for line in tail(launcher, 40).splitlines()  # others (and srun, and mpiexec) would wait
+                  if line.startswith("nbdist: node ") and token_launcher.UNREAD in line]
+        if unread:
+            raise DistError(unread[0].removeprefix("nbdist: "))
 
 
 def _last_words(launcher, wait: float = 1.0) -> str:
