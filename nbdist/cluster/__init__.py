@@ -4,7 +4,8 @@
   checks of call arguments (arguments.py), the status table (status.py);
 - launching/: start and stop the controller and the MPI engines (launch.py, files.py, controller.py), the warm
   process the ranks are forked from (warm.py), MPICH's leftover files (mpi_segments.py); ranks/: a rank's entry,
-  its boot (rank, device, process group), the warm process and mpiexec's stand-in for a forked rank;
+  its boot (rank, device, process group), the warm process and mpiexec's stand-in for a forked rank, the relay of a
+  rank's PMI socket (pmi_relay.py: an MPI_Abort is recorded before Hydra hears of it);
 - hosts/: what ties engines on other hosts (and on this one) to the kernel: the lifeline (lifeline.py,
   lifeline_server.py), a Slurm allocation (slurm.py, slurm_holder.py); ranks/: the addresses a rank listens on,
   the rendezvous over MPI (mpi_store.py);

@@ -9,14 +9,21 @@ benchmarks/README.md). A user needs the rank that died, not "every engine died".
   which also covers ranks on other hosts;
 - MPICH's own words when a rank calls MPI_Abort ("application called MPI_Abort(MPI_COMM_WORLD, 3) - process 1"):
   Hydra then ends every rank at once, so all are seen dead together and only these words name the one that called
-  it. They reach mpiexec's output only where the rank's own capture of its fd 2 forwards them before the process
-  ends (measured: 2 of 6 forked ranks, 1 of 2 fresh ones); otherwise the ranks still read "died together";
+  it. MPICH writes them to the rank's fd 2, then sends Hydra the abort command; mpiexec exits the moment it reads
+  that command (its proxy then kills every rank, the aborting one too), so the words reached its output only where
+  the proxy happened to forward them first (measured: 5 of 10 forked ranks, 6 of 10 fresh ones, "died together"
+  otherwise; 17 of 20 plain MPICH processes, 1 of 5 with a thread forwarding a pipe on fd 2 as the rank's capture of
+  its fd 2 does, which delays them further). Each rank's PMI socket is therefore relayed
+  (cluster/launching/ranks/pmi_relay.py), and the relay writes the same words to a file in the cluster's folder
+  before Hydra hears the command (`records`): named every time on the kernel's host (measured: 10 of 10 forked, 10
+  of 10 fresh); a rank on another host writes them to mpiexec's output 0.2 s ahead of the command instead;
 - in a Slurm allocation, srun's report in the same output ("Node failure on <node>"): Slurm took a node out of the
   allocation and ends the job on every node, so the node, Slurm's reason and its ranks are the cause, whatever rank
   is seen dying first (cluster/hosts/slurm.py failed_nodes says what was measured).
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbdist.cluster.hosts import slurm
+from nbdist.cluster.launching.ranks.pmi_relay import RECORD_PREFIX
 
 _HYDRA = re.compile(r"BAD TERMINATION.*?PID (\d+) RUNNING AT (\S+).*?EXIT CODE: (\d+)", re.S)
 _SIGNAL = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
@@ -44,6 +52,7 @@ class DeathWatch:
     lost: Callable[[], set] | None = None  # (host, pid) of engines whose lifeline to the kernel broke (other hosts)
     launched: dict[int, int] = field(default_factory=dict)  # rank -> the pid mpiexec started (a forked rank's
     # stand-in, cluster/launching/ranks/warm_stub.py: Hydra reports that pid)
+    records: str | None = None  # the cluster's folder, where a rank's PMI relay records its MPI_Abort
 
     def check(self) -> str | None:
         here = socket.gethostname()
@@ -104,7 +113,7 @@ class DeathWatch:
         if failed:
             return left_allocation_line({node: slurm.node_condition(node) for node in failed},
                                         {rank: host for rank, (host, _) in self.pids.items()})
-        aborted = self.aborted(text)
+        aborted = self.aborted(self._records() + text)
         if aborted is not None:
             return aborted
         reported = self._hydra(text)
@@ -120,6 +129,19 @@ class DeathWatch:
         where = f" ({self._where(rank)})" if rank in self.pids else ""
         return (f"rank {rank}{where} called MPI_Abort with error code {code} (on {communicator}), which ends the "
                 "whole MPI job")
+
+    def _records(self) -> str:
+        """MPICH's words for an MPI_Abort, as the PMI relay of a rank of this cluster on this host recorded them."""
+        if not self.records:
+            return ""
+        said = []
+        for _, pid in self.pids.values():
+            try:
+                with open(os.path.join(self.records, f"{RECORD_PREFIX}{pid}"), "rb") as f:
+                    said.append(f.read(4096).decode(errors="replace"))
+            except OSError:
+                pass
+        return "".join(said)
 
     def _output(self) -> str:
         """The last 16 KiB of mpiexec's output, where Hydra and srun report (their words are the file's last)."""

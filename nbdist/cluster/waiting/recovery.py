@@ -72,7 +72,8 @@ class Recovery:
         launcher = next(iter(engines.engines.values()), None)
         self.watch = DeathWatch(self.pids(), getattr(launcher, "output_file", None),
                                 lost=lifeline.lost if lifeline else None,
-                                launched={row["rank"]: row.get("launched_pid") or row["pid"] for row in rows})
+                                launched={row["rank"]: row.get("launched_pid") or row["pid"] for row in rows},
+                                records=getattr(engines, "profile_dir", None))
 
     def pids(self) -> dict[int, tuple[str, int]]:
         return {row["rank"]: (row["host"], row["pid"]) for row in self.rows}

@@ -10,7 +10,6 @@ import datetime
 import os
 import shutil
 import socket
-import stat
 import tempfile
 import time
 from dataclasses import asdict
@@ -50,7 +49,7 @@ def _rendezvous_store(comm, single_host: bool, timeout: datetime.timedelta):
 def _file_store_path() -> str | None:
     """A new file, readable and writable by this user alone, in the cluster's own folder; None where that folder
     is not here."""
-    folder = _private_folder()
+    folder = private_folder()
     if folder is None:
         return None
     handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=folder)
@@ -58,21 +57,14 @@ def _file_store_path() -> str | None:
     return path
 
 
-def _private_folder() -> str | None:
+def private_folder() -> str | None:
     """The cluster's own folder, where this engine runs on the kernel's host: ipyparallel's profile directory,
     which nbdist makes for the cluster (0700) and removes at its stop. None on another host (the path there is not
     the cluster's), and where the folder is not this user's alone."""
     from nbdist.cluster.hosts import lifeline
+    from nbdist.cluster.launching.ranks import pmi_relay
 
-    folder = os.environ.get(lifeline.PROFILE_ENV)
-    if not folder or not lifeline.on_kernel_host():
-        return None
-    try:
-        found = os.stat(folder)
-    except OSError:
-        return None
-    private = stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid() and not found.st_mode & 0o077
-    return folder if private else None
+    return pmi_relay.private_folder(os.environ.get(lifeline.PROFILE_ENV)) if lifeline.on_kernel_host() else None
 
 
 def _keep_to_this_host(inherited: list[int]) -> list[str]:

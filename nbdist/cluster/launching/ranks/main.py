@@ -1,8 +1,9 @@
 """Engine entry point: `python -m nbdist.cluster.launching.ranks.main [ipengine args]`, launched by mpiexec once per rank.
 
-Order matters for start-up time: the lifeline first (no orphans), then the slow part (import torch, MPI
-rendezvous, process group) while the controller is still starting, and only then the ipyparallel engine, which
-waits for the controller's connection file if it is not there yet.
+Order matters for start-up time: the lifeline first (no orphans), then the relay of the rank's PMI socket (which
+records an MPI_Abort before Hydra ends the job: cluster/launching/ranks/pmi_relay.py), then the slow part (import
+torch, MPI rendezvous, process group) while the controller is still starting, and only then the ipyparallel engine,
+which waits for the controller's connection file if it is not there yet.
 
 An engine on another host than the kernel's reads no file of the cluster: the controller's connection info comes
 down its lifeline, and ipyparallel's profile directory there is an empty one of this engine's, removed once the
@@ -36,8 +37,10 @@ def main() -> None:
     if not lifeline.on_kernel_host():  # an earlier start killed before MPI's start was done left these; on the
         mpi_segments.remove_stale()  # kernel's host the kernel removes them (a rank in the cluster's own user
         # namespace cannot read the maps of processes outside it, and would take a mapped file for a stale one)
-    from nbdist.cluster.launching.ranks import boot
+    from nbdist.cluster.launching.ranks import boot, pmi_relay
 
+    if not os.environ.get(boot.STAND_IN_ENV):  # a forked rank's stand-in relays its PMI socket itself
+        pmi_relay.start(boot.private_folder())
     boot.boot()
     if not lifeline.on_kernel_host():
         _connect_from_another_host(lifeline)

@@ -9,7 +9,8 @@ everything Hydra gave it (open descriptors, environment, folder, arguments) to t
 rank with them (cluster/launching/ranks/zygote.py). Then, for Hydra, this process is the rank:
 - a signal Hydra (or anyone) sends it goes on to the rank;
 - when the rank ends, it ends the same way (exit code, or the same signal);
-- if it is killed, the rank notices at once (the connection it holds closes) and ends too.
+- if it is killed, the rank notices at once (the connection it holds closes) and ends too;
+- it relays the rank's PMI socket to Hydra's, recording an MPI_Abort before Hydra ends the job (pmi_relay.py).
 
 Run by path with `python -S`, standard library only: it must start in milliseconds.
     python -S warm_stub.py <warm process's socket> <the rank's arguments...>
@@ -27,6 +28,7 @@ FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SI
 LAUNCHER_NET_ENV = "NBDIST_LAUNCHER_NET"  # the network namespace Hydra (and its control port) is in
 _rank_pid: list[int] = []
 _pending: list[int] = []
+_relay_ends: list[socket.socket] = []  # the stand-in's end of the rank's PMI relay, kept open
 
 
 def _own_network() -> str:
@@ -48,8 +50,11 @@ def main() -> None:
         sys.exit(f"nbdist: the kernel's warm process does not answer at {path} ({e.strerror}); the rank did not start")
     env = {**os.environ, LAUNCHER_NET_ENV: _own_network()}  # the rank is forked elsewhere: where Hydra is
     request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "fds": fds}).encode()
+    sent = _relay_pmi(fds)
     sock.sendmsg([len(request).to_bytes(4, "big") + request],
-                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent))])
+    for fd in set(sent) - set(fds):
+        os.close(fd)  # the rank's end of the relay: the rank holds it now
     # Every descriptor stays open here too, until this process ends as its rank did: Hydra takes a PMI socket
     # closing for its process's end, and would report the wrong one of several ranks it then ends.
     _follow(sock.makefile("r"))
@@ -67,6 +72,25 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _relay_pmi(fds: list[int]) -> list[int]:
+    """The descriptors to send the rank: `fds`, but in place of Hydra's PMI socket one end of a socket pair, whose
+    other end a thread here relays to Hydra's (an MPI_Abort is recorded before Hydra hears of it: pmi_relay.py)."""
+    import threading
+
+    import pmi_relay  # beside this file, which runs by path
+
+    number = os.environ.get(pmi_relay.PMI_FD_ENV, "")
+    if not number.isdigit() or int(number) not in fds:
+        return fds
+    ours, theirs = socket.socketpair()
+    _relay_ends.append(ours)
+    folder = pmi_relay.private_folder(os.environ.get("IPP_PROFILE_DIR"))  # forked ranks: on the kernel's host
+    record = pmi_relay.recorder(os.environ.get(pmi_relay.PMI_RANK_ENV, "?"),
+                                lambda: _rank_pid[0] if _rank_pid else os.getpid(), folder)
+    threading.Thread(target=pmi_relay.relay, args=(int(number), ours.fileno(), record), daemon=True).start()
+    return [theirs.detach() if fd == int(number) else fd for fd in fds]
 
 
 def _forward(number: int, _frame) -> None:
