@@ -34,6 +34,10 @@ TESTS=(
     "tests/test_trainer.py::test_interrupted_and_resumed_ends_where_an_uninterrupted_run_does"
     "tests/test_trainer.py::test_resume_on_another_plan_and_engine_count_reshards"
     tests/test_checkpoint_metadata.py
+    # models nbdist did not write (Hugging Face's Llama and BERT, a CNN with BatchNorm), trained as one process does
+    "tests/test_user_models_training.py::test_a_hugging_face_llama_trains_on_its_own_loss_like_one_process"
+    "tests/test_user_models_training.py::test_a_bert_classifier_trains_through_a_pipeline_like_one_process"
+    "tests/test_user_models_training.py::test_a_batchnorm_cnn_trains_like_one_process_with_synchronised_batchnorm"
 )
 # Only what the user's own session would have: their home, the system's PATH, pip's settings of this machine.
 KEEP=(HOME="$LEARNER_HOME" USER="$LEARNER" LOGNAME="$LEARNER" PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8)
