@@ -239,20 +239,26 @@ def start(options: ClusterOptions, while_waiting: Callable[[], bool] | None = No
         checked = 0.0
         while len(client.ids) < options.n:
             if time.monotonic() - checked > ALIVE_CHECK_SECONDS:
+                if warm_process is not None:  # first: its end ends mpiexec, whose line would only say "does not answer"
+                    warm_process.check()
                 launch_output.check_alive(cluster)
                 if silent := hosts.silent():
                     raise DistError(host_probe.silent_line(silent, host_probe.ranks_on(options.hosts, options.n)))
                 checked = time.monotonic()
             if time.monotonic() > deadline:
                 raise DistError(
+                    (warm_process is not None and warm_process.late(options.timeout)) or
                     f"only {len(client.ids)} of {options.n} engines registered within {options.timeout:g} s "
                     f"(raise --timeout?); engine output:\n{launch_output.tail(next(iter(cluster.engines.values())))}"
                 )
             if while_waiting is None or not while_waiting():
                 while_waiting = None
                 time.sleep(0.005)
-    except BaseException:
+    except BaseException as e:  # a warm process that ended before it was ready is why, whatever failed after it
+        why = warm_process.failure() if warm_process is not None and isinstance(e, DistError) else None
         launched.stop()
+        if why:
+            raise DistError(why) from None
         raise
     launched.client, launched.engine_ids = client, sorted(client.ids)
     return launched

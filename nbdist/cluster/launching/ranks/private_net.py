@@ -39,10 +39,14 @@ REFUSALS = {  # what unshare's errors mean here
 }
 
 
+class SetUpFailed(OSError):
+    """Namespaces made, but not usable: the process that made them must not go on in them (it ends)."""
+
+
 def enter() -> str | None:
     """Move this process (it must be single-threaded: the kernel refuses a new user namespace to a threaded one)
     into a new user and network namespace, its uid and gid mapped to themselves, its loopback up. None, or why the
-    OS refused (then nothing changed)."""
+    OS refused (then nothing changed); SetUpFailed where it made them but cannot use them."""
     uid, gid = os.getuid(), os.getgid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
@@ -53,9 +57,8 @@ def enter() -> str | None:
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
         _loopback_up()
-    except OSError as e:  # namespaces made, but not usable: this process must not go on in them
-        sys.stderr.write(f"nbdist: a private network namespace was made but cannot be set up ({e}); stopping\n")
-        os._exit(1)
+    except OSError as e:  # said by the caller: the warm process tells the kernel (cluster/launching/warm.py)
+        raise SetUpFailed(f"a private network namespace was made but cannot be set up ({e})") from None
     return None
 
 
@@ -81,12 +84,14 @@ def namespace_of(pid: int | str = "self") -> str | None:
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--probe"]:
+    try:
         refused = enter()
+    except SetUpFailed as e:
+        sys.exit(f"nbdist: {e}; stopping")
+    if sys.argv[1:] == ["--probe"]:
         if refused:
             print(refused)
         sys.exit(1 if refused else 0)
-    refused = enter()
     if refused:  # the probe said it could: say so rather than run in the open without a word
         sys.exit(f"nbdist: {refused}; the kernel's probe had found it allowed")
     os.execvp(sys.argv[1], sys.argv[1:])

@@ -40,25 +40,42 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 MAX_FDS = 253  # SCM_RIGHTS' limit per message
 _kept_from_kernel: list[object] = []  # the kernel's objects a rank must never close or collect
+_report: list[int] = []  # the pipe to the kernel (cluster/launching/warm.py), until this process is ready
 
 
-def serve(listener: socket.socket, kernel_pid: int, private: bool = False) -> None:
+def serve(listener: socket.socket, kernel_pid: int, private: bool = False, report: int = -1) -> None:
     """The warm process's life (never returns): detach from the kernel's state, load, fork ranks on request.
-    `private`: first into a network of its own (its ranks say, in their status, if the OS refused it)."""
+    `private`: first into a network of its own (its ranks say, in their status, if the OS refused it). On `report`
+    it tells the kernel each step of its start-up, then "ready" (and closes it), or "failed <why>"."""
+    _report[:] = [report] if report >= 0 else []
     try:
         _die_with(kernel_pid)
         if private:  # while this process has one thread, as a new user namespace requires
             from nbdist.cluster.launching.ranks import private_net
 
+            _tell("at entering a network of its own")
             private_net.enter()
+        _tell("at leaving the kernel's process group")
         _name_process(f"{sys.executable} -m nbdist.cluster.launching.ranks.zygote {kernel_pid}")
-        _detach_from_kernel(keep={listener.fileno()})
+        _detach_from_kernel(keep={listener.fileno(), *_report})
         _preload()
         gc.freeze()  # the kernel's objects are never collected in a rank: its GC need not touch (and copy) them
+        _tell("ready")
+        if _report:
+            os.close(_report.pop())  # before any rank is forked: none holds it
         _loop(listener)
     except BaseException as e:  # noqa: BLE001 - a warm process must never return into the kernel's code
-        sys.stderr.write(f"nbdist warm process: {type(e).__name__}: {e}\n")
+        if not _tell(f"failed {type(e).__name__}: {e}"):
+            sys.stderr.write(f"nbdist warm process: {type(e).__name__}: {e}\n")
     os._exit(1)
+
+
+def _tell(line: str) -> bool:
+    """One line to the kernel, while it listens (False after "ready")."""
+    try:
+        return bool(_report) and os.write(_report[0], (" ".join(line.split()) + "\n").encode(errors="replace")) > 0
+    except OSError:
+        return False
 
 
 def _die_with(kernel_pid: int) -> None:
@@ -142,6 +159,7 @@ def _preload() -> None:
         pass
     names = PRELOADED + (WITH_TORCH if "torch" in sys.modules else ())
     for name in names:
+        _tell(f"at importing {name}")
         try:
             importlib.import_module(name)
         except ImportError:
