@@ -9,10 +9,13 @@ work. Busy polling there would starve everyone. Measured here:
    mpi4py. Targets: the MPI backend faster than gloo at every size (busbw ratio >= 1), within 2x of raw mpi4py from
    64 KiB up (ratio >= 0.5).
 2. Idle: 4 engines on the MPI backend waiting for the next cell (after one ran), no neighbour: the CPU time all
-   their processes (engines, the controller, MPI's proxies) use over `--idle-seconds`, as % of one core.
-   Target: <= 5 % (what the issue measured before: 4 %).
+   their processes (engines, the controller, MPI's launcher and proxies, forked ranks' stand-ins and the warm process
+   or launched ranks' PMI relays) use over `--idle-seconds`, as % of one core, and which processes used it.
+   Target: <= 5 % (what the issue measured before: 4 %). `--idle-engines 2,4` and `--idle-ranks forked,fresh`
+   measure more clusters (each row counted against the same target); `--idle-only` skips the rest.
 
     python benchmarks/bench_mpi_backend_shared.py [--ranks 2,4] [--sizes 1K,64K,...] [--repeats 3]
+    python benchmarks/bench_mpi_backend_shared.py --idle-only --idle-engines 2,4 --idle-ranks forked,fresh
 
 About 5 minutes on 2 cores. Exit status 0 when every counted target is met and nothing was left running.
 """
@@ -82,16 +85,36 @@ def _wait_until_up(proc: subprocess.Popen, ranks: int, seconds: float = 60.0) ->
             said += os.read(proc.stdout.fileno(), 4096)
 
 
-def idle_percent(run: Run, n: int, seconds: float) -> float:
-    """% of one core that an idle cluster of n engines (MPI backend) uses, all its processes together."""
-    cluster = run.start(n, backend="mpi")
+def idle_percent(run: Run, n: int, seconds: float, fork: bool = True) -> tuple[float, str]:
+    """% of one core that an idle cluster of n engines (MPI backend) uses, all its processes together, and how it
+    splits among the kinds of process (in words). `fork`: ranks forked from a warm process (nbdist's default where it
+    can) or fresh ones."""
+    cluster = run.start(n, backend="mpi", fork=fork)
     cluster.run(lambda: 1)
     time.sleep(2.0)
     procs = cluster.processes()
     before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
     time.sleep(seconds)
-    used = sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs if p.is_running())
-    return 100.0 * used / seconds
+    used: dict[str, float] = {}
+    for p in procs:
+        if p.is_running():
+            kind = _kind(p)
+            used[kind] = used.get(kind, 0.0) + sum(p.cpu_times()[:2]) - before[p.pid]
+    split = ", ".join(f"{kind} {100.0 * t / seconds:.2f}" for kind, t in sorted(used.items(), key=lambda kv: -kv[1]))
+    return 100.0 * sum(used.values()) / seconds, split
+
+
+def _kind(p: psutil.Process) -> str:
+    """What a cluster's process is, in a word or two."""
+    try:
+        line = " ".join(p.cmdline())
+    except psutil.Error:
+        return "gone"
+    for mark, kind in (("warm_stub.py", "stand-ins"), ("pmi_relay.py", "PMI relays"), ("ranks.zygote", "warm process"),
+                       ("launching.controller", "controller"), ("ranks.main", "engines")):
+        if mark in line:
+            return kind
+    return p.name()
 
 
 def rows_for(n: int, sizes: list[int], gloo: dict, mpi: dict, raw: dict) -> list[Measure]:
@@ -110,15 +133,24 @@ def main() -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--idle-engines", default="4")
+    parser.add_argument("--idle-ranks", default="forked", help="forked, fresh or both (comma-separated)")
+    parser.add_argument("--idle-only", action="store_true", help="measure idle clusters only (no neighbour)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     sizes = sorted({parse_size(s) for s in args.sizes.split(",")})
     measures: list[Measure] = []
+    splits: list[str] = []
     with Run() as run:
-        run.log("4 engines idle (MPI backend), no neighbour:")
-        idle = idle_percent(run, 4, args.idle_seconds)
-        measures.append(Measure("4 idle engines: CPU used, % of one core", "%", [idle], [], "abs<=", IDLE_PERCENT))
-        for n in (int(r) for r in args.ranks.split(",")):
+        for ranks in args.idle_ranks.split(","):
+            for n in (int(e) for e in args.idle_engines.split(",")):
+                run.log(f"{n} engines idle (MPI backend, {ranks} ranks), no neighbour:")
+                idle, split = idle_percent(run, n, args.idle_seconds, fork=ranks != "fresh")
+                named = f"{n} idle engines" + ("" if ranks == "forked" else f" ({ranks} ranks)")
+                measures.append(Measure(f"{named}: CPU used, % of one core", "%", [idle], [], "abs<=", IDLE_PERCENT))
+                splits.append(f"{named}, % of one core by process: {split}")
+                run.log("  " + splits[-1])
+        for n in ([] if args.idle_only else (int(r) for r in args.ranks.split(","))):
             gloo_cluster = run.start(n, backend="gloo")
             with neighbour(run):
                 run.log(f"{n} ranks, gloo:")
@@ -128,7 +160,8 @@ def main() -> int:
                 run.log(f"{n} ranks, MPI backend (and raw mpi4py):")
                 both = busbw(mpi_cluster, sizes, ("torch", "mpi"), args.repeats, run.log)
             measures += rows_for(n, sizes, gloo, both["torch"], both["mpi"])
-    status = run.finish(measures, json_path=args.json, settings={"sizes": sizes, "repeats": args.repeats})
+    status = run.finish(measures, details="\n".join(splits), json_path=args.json,
+                        settings={"sizes": sizes, "repeats": args.repeats, "idle_seconds": args.idle_seconds})
     print("ratios: " + "; ".join(f"{m.name}: {m.compared:.3g}" for m in measures))
     return status
 

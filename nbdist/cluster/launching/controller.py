@@ -1,10 +1,11 @@
 """The controller process: ipyparallel's controller, whose heart monitor beats fast until the engines have registered.
 
 Why: ipyparallel's hub counts an engine only once its heart has answered a beat, and answers are read at the beat
-after; with the 100 ms beat the running cluster wants (cheap while idle) that is 100-200 ms added to every start,
-after the engines are otherwise ready. A 10 ms beat costs several times as much of a core, too much to keep
-(figures: benchmarks/README.md), so the monitor beats every FAST_MS until as many hearts beat as engines were
-asked for, then settles to its configured period (tornado's PeriodicCallback reads its period at each beat).
+after; with the 1 s beat the running cluster wants (each beat wakes this process and every engine: cheap while
+idle) that is 1-2 s added to every start, after the engines are otherwise ready. A 10 ms beat costs a large share of
+a core, too much to keep (figures: benchmarks/README.md), so the monitor beats every FAST_MS until as many hearts
+beat as engines were asked for, then settles to its configured period (tornado's PeriodicCallback reads its period
+at each beat).
 
 Across hosts it also admits only the cluster's own peers (`admit_only`): ipyparallel's CurveZMQ encrypts, but a
 CURVE server with no ZAP handler accepts every client that knows its public key, and that key is in every

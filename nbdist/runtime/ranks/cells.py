@@ -12,6 +12,9 @@ closed stream raises): only what comes after is repaired.
 IPython's "To exit: use 'exit', 'quit', or Ctrl-D." warning after sys.exit() in a cell is quietened too: it points
 at IPython's own file in site-packages and at keys a rank has not got; the notebook says in one line what happened
 (cluster/waiting/tracebacks.py).
+
+Other rank code that must know when a cell or call has ended asks to be called then (`after_each`): MPI's progress
+between cells starts its ticks over (backend/ranks/idle_progress.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import functools
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 STREAMS = ("stdout", "stderr")
@@ -26,6 +30,7 @@ EXIT_WARNING = r"To exit: use 'exit', 'quit', or Ctrl-D\."  # IPython's, after a
 _installed: dict[str, Any] = {}  # "pid": the process it was installed in (a forked rank must install its own)
 _originals: dict[str, Any] = {}  # name -> the engine's stream, as installed: its session and topic
 _iopub: dict[str, Any] = {}  # name -> its iopub thread (a closed stream lets go of its own)
+_after_each: list[Callable[[], None]] = []  # run after each cell and call, once the streams are repaired
 
 
 def install() -> None:
@@ -50,8 +55,16 @@ def install() -> None:
     _installed["pid"] = os.getpid()
 
 
+def after_each(callback: Callable[[], None]) -> None:
+    """Call `callback()` after each of this engine's cells and calls, from the time `install` has run (before or
+    after this): backend/ranks/idle_progress.py starts MPI's progress ticks over."""
+    if callback not in _after_each:
+        _after_each.append(callback)
+
+
 def _after_cell(_result=None) -> None:
     repair()
+    _ended()
 
 
 def _applied(do_apply, *args, **kwargs):
@@ -60,6 +73,12 @@ def _applied(do_apply, *args, **kwargs):
         return do_apply(*args, **kwargs)
     finally:
         repair()
+        _ended()
+
+
+def _ended() -> None:
+    for callback in _after_each:
+        callback()
 
 
 def repair() -> list[str]:
