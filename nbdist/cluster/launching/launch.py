@@ -46,7 +46,7 @@ from nbdist.cluster.launching.ranks.main import ENGINE_KEYS, ENGINE_KEYS_ENV, ST
 from nbdist.cluster.options import ClusterOptions
 from nbdist.errors import DistError
 
-HEARTBEAT_MS = 1000  # each beat wakes the controller and every engine: 100 ms cost 1.3-1.8 % of a core (2-4 engines)
+HEARTBEAT_MS = 1000  # each beat wakes the controller and every engine (idle cost: benchmarks/README.md)
 HEARTBEAT_MISSES = 9  # the 10th beat missed drops the engine: 10 s without a beat (busy 2-core machines are slow)
 ALIVE_CHECK_SECONDS = 0.05  # how often a start looks whether mpiexec or the controller has died (not each 5 ms poll)
 
