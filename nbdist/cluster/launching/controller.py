@@ -36,8 +36,10 @@ def beat_fast_until(engines: int) -> None:
 
     def start_fast(monitor) -> None:
         start(monitor)
-        if len(monitor.hearts) < engines:
+        if len(monitor.hearts) < engines:  # tornado set the first beat one whole period away: FAST_MS from now
+            monitor.caller.stop()
             monitor.caller.callback_time = min(FAST_MS, monitor.period)
+            monitor.caller.start()
 
     def beat_then_settle(monitor) -> None:
         beat(monitor)
