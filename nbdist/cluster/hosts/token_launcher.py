@@ -48,9 +48,14 @@ CHECK = ('test -x "$0" || {{ echo "nbdist: host {host} has no $0 (the Python of 
          'make the same environment at the same path there" >&2; exit 127; }}; exec "$0" "$@"')
 
 
+def proxy_at(args: list[str]) -> int | None:
+    """Where Hydra's proxy is named in the launcher's arguments (None: not Hydra's)."""
+    return next((i for i, arg in enumerate(args) if PROXY in arg), None)
+
+
 def remote_command(args: list[str], python: str) -> list[str] | None:
     """ssh's arguments with the receiver put before Hydra's proxy; None where no proxy is named (not Hydra's)."""
-    at = next((i for i, arg in enumerate(args) if PROXY in arg), None)
+    at = proxy_at(args)
     if at is None:
         return None
     host = args[at - 1] if at and all(c.isalnum() or c in ".:-_@[]" for c in args[at - 1]) else "(unnamed)"
@@ -91,7 +96,7 @@ os.execv(sys.argv[4], sys.argv[4:])
 
 def srun_command(args: list[str], python: str, socket: str) -> list[str] | None:
     """srun's arguments with the munge receiver put before Hydra's proxy; None where no proxy is named."""
-    at = next((i for i, arg in enumerate(args) if PROXY in arg), None)
+    at = proxy_at(args)
     if at is None:
         return None
     return args[:at] + [python, "-S", "-c", RECEIVE_MUNGE, TOKEN_ENV, CREDENTIALS_ENV, socket] + args[at:]
@@ -99,9 +104,7 @@ def srun_command(args: list[str], python: str, socket: str) -> list[str] | None:
 
 def tasks(args: list[str]) -> int:
     """How many tasks srun is asked for (Hydra: `-n <nodes>`), 1 where it does not say."""
-    for i, arg in enumerate(args):
-        if PROXY in arg:
-            break
+    for i, arg in enumerate(args[:proxy_at(args)]):
         value = arg.split("=", 1)[1] if arg.startswith("--ntasks=") else (
             args[i + 1] if arg in ("-n", "--ntasks") and i + 1 < len(args) else None)
         if value is not None and value.isdigit():
