@@ -1,0 +1,99 @@
+"""What a lab prints beside a measurement it reads: the machine's load while it ran, and repeats as a median with
+their spread, so a sentence that interprets a timing is computed from the run and says the conditions it held in.
+
+A class runs the labs on a shared machine: the same cell measured quiet and beside two busy processes can flip a
+comparison. So a lab that compares timings takes repeats (`Repeats`), says its verdict only when the medians are
+further apart than the spreads (`Repeats.clearly_below`), and prints `machine_load()` beside it. Kernel side,
+plain Python (os.getloadavg; psutil where it is installed for the cores this process may use).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+from nbdist.errors import DistUsageError
+
+
+@dataclass(frozen=True)
+class Load:
+    """The run queue over the last minute (os.getloadavg) on the cores this process may use. The cluster's own
+    busy ranks count in it too: a lab with 4 busy engines on 2 cores reads about 2 per core with nothing else."""
+
+    average: float
+    cores: int
+
+    @property
+    def per_core(self) -> float:
+        return self.average / self.cores
+
+    @property
+    def word(self) -> str:
+        """quiet (under half the cores busy), busy (up to one runnable process per core), loaded (processes wait
+        for a core: timings stretch and their order can flip)."""
+        return "quiet" if self.per_core < 0.5 else "busy" if self.per_core <= 1.0 else "loaded"
+
+    def __str__(self) -> str:
+        return (f"machine: load {self.average:.1f} on {self.cores} core{'s' if self.cores != 1 else ''} over the "
+                f"last minute ({self.word})")
+
+
+def machine_load() -> Load:
+    """The load now, as `str(machine_load())` prints it beside a verdict."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return Load(os.getloadavg()[0], max(cores, 1))
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """One quantity measured several times: its median and its spread (lowest and highest)."""
+
+    values: tuple[float, ...]
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise DistUsageError("Repeats needs at least one measured value, got none")
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    def clearly_below(self, other: "Repeats") -> bool:
+        """True when every repeat here is below every repeat of `other`: the order holds in each pair, not only
+        in the medians (with 3 repeats each, a chance ordering comes out so 1 time in 20)."""
+        return self.high < other.low
+
+    def __str__(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        if len(self.values) == 1:
+            return f"{_num(self.median)}{unit} (one run)"
+        return (f"{_num(self.median)}{unit} (median of {len(self.values)}, "
+                f"{_num(self.low)}-{_num(self.high)})")
+
+
+def _num(value: float) -> str:
+    return f"{value:,.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def order(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "faster") -> str:
+    """The verdict a lab prints when it compares two timed things: which is `lower` ("faster") when the repeats
+    say so clearly, or that they overlap, with both medians and spreads."""
+    if a.clearly_below(b):
+        said = f"{name_a} was {lower} than {name_b} in every repeat"
+    elif b.clearly_below(a):
+        said = f"{name_b} was {lower} than {name_a} in every repeat"
+    else:
+        said = f"{name_a} and {name_b} overlap: neither was {lower} in every repeat"
+    return f"{said}: {name_a} {a}, {name_b} {b}"
