@@ -57,16 +57,17 @@ def _compare_numbers(what: str, predicted: float, measured: float, unit: str, to
     if not (math.isfinite(predicted) and math.isfinite(measured)):
         raise DistUsageError(f"{what}: a prediction and a measurement must be finite numbers, got "
                              f"{predicted!r} and {measured!r}")
-    if measured == 0:
-        close = predicted == 0
-        how = "exact" if close else f"{_show(predicted - measured, unit)} off"
+    if measured == 0 or predicted / measured <= 0:  # no ratio to read: zero, or the other side of zero
+        close = predicted == measured
+        gap = predicted - measured
+        how = "exact" if close else f"{_show(abs(gap), unit)} {'high' if gap > 0 else 'low'}"
     else:
         error = predicted / measured - 1
         close = abs(error) <= tolerance
         how = f"{abs(error):.0%} {'high' if error > 0 else 'low'}" if error else "exact"
         if abs(error) >= 1:
             ratio = predicted / measured
-            how = f"×{ratio:.2f} of it" if abs(ratio) < 10 else f"×{ratio:,.0f} of it"
+            how = f"×{ratio:.2f} of it" if ratio < 10 else f"×{ratio:,.0f} of it"
     verdict = "close" if close else "far"
     return Verdict(what, predicted, measured, close,
                    f"{what}: you predicted {_show(predicted, unit)}, measured {_show(measured, unit)}: {how} "
@@ -85,4 +86,6 @@ def _show(value, unit: str) -> str:
             text = f"{value:,.1f}"
     else:
         text = repr(value)
+    if value == 1 and unit.isalpha() and len(unit) > 3 and unit.endswith("s"):  # "1 call", "1 step"; "1 ms"
+        unit = unit[:-1]
     return f"{text} {unit}".rstrip()

@@ -27,6 +27,20 @@ def test_a_prediction_not_yet_written_is_told_not_scored():
         assert verdict.close is None and "no prediction written" in str(verdict)
 
 
+def test_a_prediction_of_zero_or_of_the_other_sign_says_the_difference_not_a_ratio():
+    """Lab 39 printed "×0.00 of it" for a prediction of 0 calls against 1 measured: a ratio reads nothing there."""
+    assert str(compare("calls per step", 0, 1, "calls")) == (
+        "calls per step: you predicted 0 calls, measured 1 call: 1 call low (far; within 25% counts as close)")
+    assert "5 s high" in str(compare("lag", 2.0, -3.0, "s")) and "×" not in str(compare("lag", 2.0, -3.0, "s"))
+    assert compare("skips", 0, 0, "steps").close is True
+
+
+def test_one_of_a_counted_unit_is_singular():
+    assert "measured 1 call" in str(compare("calls", ..., 1, "calls"))
+    assert "you predicted 1 step, measured 2 steps" in str(compare("skips", 1, 2, "steps"))
+    assert "measured 1 ms" in str(compare("time", 1.2, 1, "ms"))  # a symbol keeps its letters
+
+
 def test_a_choice_is_right_or_not_ignoring_case():
     assert compare("faster algorithm", " Ring", "ring").close is True
     assert compare("faster algorithm", "tree", "ring").close is False

@@ -44,7 +44,7 @@ LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))  # shard()'s keywords that
 def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1, tp: int = 1, zero: int = 0,
           microbatches: int = 1, schedule: str = "1f1b", *, chunks: int = 1, batch: int | None = None,
           balance: list[int] | None = None, split_points: list[str] | None = None, example_input=None,
-          tp_plan: dict | str | None = None, sync_batchnorm: bool = False,
+          tp_plan: dict | str | None = None, sync_batchnorm: bool = False, zero3_sync: str = "every",
           optimizer: str = "adam", hook: str = "auto", bucket_cap_mb: float | None = None,
           cluster: Cluster | None = None) -> "Plan":
     """A plan of `model_fn`'s model over the running cluster (see the module docstring): a Layout
@@ -59,7 +59,7 @@ def shard(model_fn: Callable[[], nn.Module], dp: "int | Layout" = 1, pp: int = 1
     "rowwise" | a torch ParallelStyle} (Hugging Face wildcards such as "model.layers.*.mlp.up_proj" allowed) or
     "auto" (the plan the model's Hugging Face config carries); nbdist's own models pair their Linears themselves.
     `sync_batchnorm`: BatchNorm statistics over every replica's share (nbdist's SyncBatchNorm, CPU or GPU), so dp
-    trains as one process."""
+    trains as one process. `zero3_sync="last"`: ZeRO-3 reduce-scatters accumulated gradients once (docs/sharding.md)."""
     layout = _layout_of({name: value for name, value in locals().items() if name in LAYOUT_FIELDS})
     model = ModelChoices(split_points, example_input, tp_plan, bool(sync_batchnorm))
     return Plan(model_fn, layout, batch, optimizer, hook, bucket_cap_mb, cluster or current(), model)

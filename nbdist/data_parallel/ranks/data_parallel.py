@@ -52,9 +52,18 @@ def average_grads(grads: list[torch.Tensor], replicas: int, all_reduce) -> None:
         grad.copy_(averaged)
 
 
-def sync_on(model: nn.Module, last: bool):
-    """The context of one micro-batch's backward: DDP all-reduces only on the last micro-batch (no_sync before);
-    anything else syncs as it always does (FSDP2 reduce-scatters every micro-batch: its shards accumulate)."""
+def sync_on(model: nn.Module, last: bool, zero3_sync: str = "every"):
+    """The context of one micro-batch's forward and backward: DDP all-reduces only on the last micro-batch
+    (no_sync before). FSDP2 (ZeRO-2 and 3) reduce-scatters every micro-batch's gradients into its shards, unless
+    `zero3_sync` is "last": then the micro-batches before the last skip the reduce-scatter (FSDP2's
+    set_requires_gradient_sync(False): each rank accumulates the unsharded gradients) and keep the parameters
+    gathered after backward (set_reshard_after_backward(False): the next forward gathers nothing), and the last
+    restores both, so its backward reduce-scatters the whole accumulated gradient once and reshards. Set at each
+    micro-batch, so a step that failed midway leaves nothing behind for the next."""
+    if zero3_sync == "last" and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
     if last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -1,11 +1,13 @@
 """A sharded model on the ranks (runs ON the engines): what the notebook's Sharded (nbdist/sharding/plan.py) calls.
 
 `setup(spec)` builds this rank's share of a dp x tp plan from its ShardSpec: the whole model from the user's
-function, tensor parallel pairs split over the mesh's tp group, then the data-parallel wrapping its ZeRO stage
-asks for, and the optimizer. `step` trains one step on this replica's share of the global batch, micro-batch by
+function, tensor parallel pairs split over the mesh's tp group, then the data-parallel wrapping its ZeRO stage asks
+for, and the optimizer. `step` trains one step on this replica's share of the global batch, micro-batch by
 micro-batch (gradient accumulation), and reports the loss, the times of each micro-batch's forward and backward,
-and, when asked, the bytes the rank holds. `parameters` gathers the whole, unsplit weights or gradients (a
-collective over every rank: DTensor shards are gathered), `close` frees it all.
+and, when asked, the bytes the rank holds (and, as `held_between`, the parameter and gradient bytes it keeps from
+one micro-batch to the next: ZeRO-3's shards, or with zero3_sync="last" the unsharded parameters and gradients).
+`parameters` gathers the whole, unsplit weights or gradients (a collective over every rank: DTensor shards are
+gathered), `close` frees it all.
 """
 from __future__ import annotations
 
@@ -66,13 +68,13 @@ class ShardedModel:
         targets = None if targets is None else targets.to(placement.here())
         self.model.zero_grad(set_to_none=True)
         meter = _memory().ActivationMeter() if memory else None
-        marks, losses = [], []
+        marks, losses, held_between = [], [], 0
         gathered = _memory().GatheredParams(self.model) if memory else None
         watch = self.watch = placement.stopwatch()
         self.last_gradient = None
         started = watch.mark()
         for i, (x, y) in enumerate(zip(batches.split(inputs, m), [None] * m if targets is None else targets.chunk(m))):
-            with data_parallel.sync_on(self.model, last=i == m - 1):
+            with data_parallel.sync_on(self.model, last=i == m - 1, zero3_sync=self.spec.layout.zero3_sync):
                 t0 = watch.mark()
                 with meter if meter is not None else contextlib.nullcontext():
                     with self._phase(f"the forward of micro-batch {i}"):
@@ -84,6 +86,9 @@ class ShardedModel:
                 t2 = watch.mark()
             marks += [(f"0F{i}", t0, t1), (f"0B{i}", t1, t2)]
             losses.append(loss.detach())
+            if memory and i < m - 1:  # what stays between micro-batches (ZeRO-3 with zero3_sync="last": unsharded)
+                now = _memory().state_bytes(self.model)
+                held_between = max(held_between, now["params"] + now["grads"])
         backward_ended, last_gradient = t2, self.last_gradient
         by_hand = None
         if self.by_hand:
@@ -106,7 +111,7 @@ class ShardedModel:
         if memory:
             held = _memory().state_bytes(self.model, self.optimizer)
             held["params"] = max(held["params"], gathered.close())
-            report["memory"] = {**held, "activations": meter.peak_bytes}
+            report["memory"] = {**held, "activations": meter.peak_bytes, "held_between": held_between}
         return report
 
     def _phase(self, phase: str):
