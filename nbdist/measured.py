@@ -76,7 +76,7 @@ class Repeats:
         return self.high < other.low
 
     def __str__(self) -> str:
-        unit = f" {self.unit}" if self.unit else ""
+        unit = _spelled(self.unit)
         if len(self.values) == 1:
             return f"{_num(self.median)}{unit} (one run)"
         return (f"{_num(self.median)}{unit} (median of {len(self.values)}, "
@@ -84,7 +84,13 @@ class Repeats:
 
 
 def _num(value: float) -> str:
-    return f"{value:,.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    """3 significant digits below 100, whole numbers with thousands separators from 100 on: never e-notation."""
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def _spelled(unit: str) -> str:
+    """A unit as it follows a number: '471 µs', '4.8x', a bare count."""
+    return "x" if unit == "x" else f" {unit}" if unit else ""
 
 
 def order(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "faster") -> str:
@@ -97,3 +103,39 @@ def order(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "faster
     else:
         said = f"{name_a} and {name_b} overlap: neither was {lower} in every repeat"
     return f"{said}: {name_a} {a}, {name_b} {b}"
+
+
+def compared(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "faster") -> str:
+    """order(), and by how much the medians differ: the verdict of a lab that says what one way adds to another
+    ("the backend added 372 µs over MPI at 1 KiB"), with the repeats it was read from."""
+    low, high = sorted(((a, name_a), (b, name_b)), key=lambda pair: pair[0].median)
+    unit = _spelled(a.unit)
+    times = f"{high[0].median / low[0].median:.3g}x" if low[0].median > 0 else "no ratio: a median of 0"
+    return (f"{order(a, b, name_a, name_b, lower)}; {high[1]}'s median is {_num(high[0].median - low[0].median)}"
+            f"{unit} above {low[1]}'s ({times})")
+
+
+def ratios(a: Repeats, b: Repeats) -> Repeats:
+    """a / b repeat by repeat (the i-th of each were measured side by side, at the same moment of a noisy
+    machine): the ratio's own median and spread, to compare with another ratio by `order`."""
+    if len(a.values) != len(b.values) or not all(b.values):
+        raise DistUsageError(f"ratios needs as many repeats on each side and no 0 to divide by: got "
+                             f"{a.values} and {b.values}")
+    return Repeats(tuple(x / y for x, y in zip(a.values, b.values)), "x")
+
+
+def ranking(values: dict[str, float], unit: str, higher: str = "highest") -> str:
+    """Named single measurements from the `higher` end down, e.g. throughputs of one run each: what the run
+    ordered, without claiming more than that one run."""
+    if not values:
+        raise DistUsageError("ranking needs at least one named value, got none")
+    unit = _spelled(unit)
+    ranked = sorted(values.items(), key=lambda item: item[1], reverse=higher == "highest")
+    lowest_word = "lowest" if higher == "highest" else "highest"
+    return (f"from {higher} to {lowest_word}: " + "; ".join(f"{name} {_num(value)}{unit}" for name, value in ranked))
+
+
+def this_run(*verdicts: str) -> str:
+    """The lines a lab prints for what its run showed: each verdict after 'this run: ', then the load it ran
+    under, so a reader (and tests/test_labs_under_load.py) sees every reading beside its conditions."""
+    return "\n".join(f"this run: {verdict}" for verdict in verdicts) + f"\n{machine_load()}"

@@ -1,0 +1,170 @@
+"""The labs whose printed verdicts read timings, run beside two busy processes: no verdict contradicts its numbers.
+
+A class runs the labs on a shared, loaded machine, where timings stretch and orders flip. So a lab says nothing
+about a timing in its markdown; it prints each verdict from its run ("this run: ..." lines, made by
+nbdist/measured.py from repeats, with the load line after them), and this test reads those lines back from the
+executed notebook and checks each against the numbers printed in it, with its own parser (not measured.py's code):
+
+- "A was faster than B in every repeat: A m (median of k, lo-hi), B ...": every repeat of A below every one of B;
+- "A and B overlap: neither was ...": the printed spreads do overlap;
+- "...; B's median is d above A's (r x)": B is the one with the higher median, d and r are its difference and ratio;
+- "from highest to lowest: a 3, b 2; ...": the values are in that order.
+
+Which labs, and why only these (the whole suite is at its time limit, so each lab here runs once more, as it is,
+beside the load): 42 (all-reduce times through gloo, nbdist's MPI backend and MPI directly; nbdist's DDP, ZeRO-3
+and pipeline step times against torch's own), 35 (throughput and idle time of four synchronisation strategies,
+balanced, with a straggler and with hiccups) and 10 (a pipeline's stage split chosen by hand against the even
+one). The other labs print times as readings and compare them with no sentence of their own (20, 30, 37, 38),
+read no timing (36), or their verdicts read a learner's prediction through nbdist/verdicts.py (41).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbdist.measured import Repeats, compared, order, ranking, this_run
+
+REPO = Path(__file__).resolve().parent.parent
+UNDER_LOAD = ("10_pipeline_lab.ipynb", "35_sync_vs_async.ipynb", "42_backends_and_frameworks.ipynb")
+BUSY = 2  # processes spinning beside the lab: on 2 cores with a lab's 2-4 engines, the load of a shared classroom
+
+_NUMBER = r"-?[\d,]*\.?\d+(?:e-?\d+)?"
+
+
+def _repeats(name: str) -> str:
+    """A printed Repeats: '471 µs (median of 3, 414-474)', '4.8x (median of 3, 2-5.1)' or '12 ms (one run)'."""
+    return (rf"(?P<{name}>{_NUMBER})(?:x| [^\s(]+)? \((?:median of \d+, (?P<{name}lo>{_NUMBER})-"
+            rf"(?P<{name}hi>{_NUMBER})|one run)\)")
+
+
+_ORDER = re.compile(rf"this run: (?P<a>.+?) was (?P<word>\w+) than (?P<b>.+?) in every repeat: (?P=a) {_repeats('x')}, "
+                    rf"(?P=b) {_repeats('y')}(?P<rest>.*)$")
+_OVERLAP = re.compile(rf"this run: (?P<a>.+?) and (?P<b>.+?) overlap: neither was \w+ in every repeat: (?P=a) "
+                      rf"{_repeats('x')}, (?P=b) {_repeats('y')}(?P<rest>.*)$")
+_BY = re.compile(rf"; (?P<high>.+?)'s median is (?P<d>{_NUMBER})(?:x| \S+)? above (?P<low>.+?)'s \((?P<r>{_NUMBER})x\)$")
+_RANKING = re.compile(r"this run: from (?P<end>highest|lowest) to \w+: (?P<items>.+)$")
+
+
+def _value(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _spread(match: re.Match, name: str) -> tuple[float, float, float]:
+    median = _value(match[name])
+    if match[f"{name}lo"] is None:
+        return median, median, median
+    return median, _value(match[f"{name}lo"]), _value(match[f"{name}hi"])
+
+
+def _half_step(text: str) -> float:
+    """Half the last printed digit's step: how far the number printed as `text` may be from the one computed."""
+    digits = text.replace(",", "").lstrip("-")
+    return 0.5 * 10.0 ** -(len(digits.split(".")[1]) if "." in digits else 0)
+
+
+def _agrees(match: re.Match, by: re.Match) -> bool:
+    """Whether the printed difference and ratio of the medians can come from the printed medians (each rounded)."""
+    first_is_high = by["high"] == match["a"]
+    high, low = (match["x"], match["y"]) if first_is_high else (match["y"], match["x"])
+    h, dh, lo, dl = _value(high), _half_step(high), _value(low), _half_step(low)
+    d, dd, r, dr = _value(by["d"]), _half_step(by["d"]), _value(by["r"]), _half_step(by["r"])
+    if not (h - dh) - (lo + dl) - dd <= d <= (h + dh) - (lo - dl) + dd:
+        return False
+    return lo - dl <= 0 or (h - dh) / (lo + dl) - dr <= r <= (h + dh) / (lo - dl) + dr
+
+
+def contradictions(line: str) -> list[str]:
+    """What in one printed verdict line its own numbers contradict (nothing for a line that is not a verdict)."""
+    found = []
+    match = _ORDER.match(line) or _OVERLAP.match(line)
+    if match:
+        (xm, xlo, xhi), (ym, ylo, yhi) = _spread(match, "x"), _spread(match, "y")
+        if match.re is _ORDER and not xhi <= ylo:
+            found.append(f"says {match['a']} was {match['word']} in every repeat, but its highest {xhi} is not below "
+                         f"{match['b']}'s lowest {ylo}")
+        if match.re is _OVERLAP and (xhi < ylo or yhi < xlo):
+            found.append(f"says {match['a']} and {match['b']} overlap, but their spreads {xlo}-{xhi} and {ylo}-{yhi} "
+                         "do not")
+        by = _BY.match(match["rest"])
+        if match["rest"] and not by:
+            found.append(f"cannot read what follows the order: {match['rest']!r}")
+        if by:
+            (high, low) = (xm, ym) if by["high"] == match["a"] else (ym, xm)
+            if {by["high"], by["low"]} != {match["a"], match["b"]} or high < low:
+                found.append(f"names {by['high']} as the higher median, but the medians are {xm} and {ym}")
+            if not _agrees(match, by):
+                found.append(f"says {by['d']} apart and {by['r']}x, but the medians {high} and {low} are "
+                             f"{high - low:.3g} apart, {high / low if low else float('inf'):.3g}x")
+    ranked = _RANKING.match(line)
+    if ranked:
+        values = [_value(re.search(rf"({_NUMBER})(?: \S+)?$", item)[1]) for item in ranked["items"].split("; ")]
+        expected = sorted(values, reverse=ranked["end"] == "highest")
+        if values != expected:
+            found.append(f"ranks {values} from the {ranked['end']}, which is not their order")
+    return found
+
+
+def printed_lines(nb) -> list[str]:
+    return [line for cell in nb.cells for output in cell.get("outputs", []) if output.get("output_type") == "stream"
+            for line in output.get("text", "").splitlines()]
+
+
+# -- the parser itself, on lines measured.py makes (fast) --------------------------------------------------------------
+
+
+def test_the_parser_accepts_what_measured_prints_and_catches_a_swapped_verdict():
+    fast, slow = Repeats((22.0, 29.0, 99.0), "µs"), Repeats((414.0, 471.0, 474.0), "µs")
+    lines = this_run(compared(fast, slow, "MPI directly", "the backend, at 1 KiB"),
+                     compared(slow, Repeats((300.0, 500.0, 450.0), "µs"), "a", "b"),
+                     order(Repeats((2.0, 2.5, 1.9), "x"), Repeats((4.9,), "x"), "16 MiB", "1 KiB", "smaller"),
+                     ranking({"SSP, s=2": 2900.0, "all-reduce": 3100.0, "EASGD": 2000.0}, "samples/s")).splitlines()
+    assert [contradictions(line) for line in lines] == [[], [], [], [], []]
+    assert lines[0].endswith("the backend, at 1 KiB's median is 442 µs above MPI directly's (16.2x)")
+    swapped = lines[0].replace("MPI directly was faster than the backend, at 1 KiB",
+                               "the backend, at 1 KiB was faster than MPI directly")
+    assert swapped != lines[0] and any("not below" in c for c in contradictions(swapped.replace(
+        "every repeat: MPI directly 29 µs (median of 3, 22-99), the backend, at 1 KiB 471 µs (median of 3, 414-474)",
+        "every repeat: the backend, at 1 KiB 471 µs (median of 3, 414-474), MPI directly 29 µs (median of 3, 22-99)")))
+    assert any("do not" in c for c in contradictions(lines[1].replace("(median of 3, 300-500)",
+                                                                      "(median of 3, 480-500)").replace(
+        "a was faster than b in every repeat", "a and b overlap: neither was faster in every repeat")))
+    assert any("apart" in c for c in contradictions(lines[0].replace("442 µs above", "42 µs above")))
+    assert any("not their order" in c for c in contradictions(lines[3].replace("all-reduce 3,100", "all-reduce 1,100")))
+
+
+# -- the labs, beside two busy processes -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def busy_cores():
+    """Two processes that spin for the whole module: a shared classroom machine's background."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY)]
+    yield spinners
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
+
+
+@pytest.mark.parametrize("name", UNDER_LOAD)
+def test_no_printed_verdict_contradicts_its_numbers_under_load(name, busy_cores):
+    import nbformat  # Jupyter's libraries where they are used: the fast tests collect this module without them
+    from nbclient import NotebookClient
+
+    path = REPO / "notebooks" / name
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    assert all(spinner.poll() is None for spinner in busy_cores), "a busy process ended before the lab did"
+    errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.output_type == "error"]
+    assert not errors, errors
+    lines = printed_lines(nb)
+    verdicts = [i for i, line in enumerate(lines) if line.startswith("this run: ")]
+    assert verdicts, f"{name} printed no verdict ('this run: ...')"
+    for i in verdicts:  # each group of verdicts ends with the load it ran under
+        following = next(line for line in lines[i:] if not line.startswith("this run: "))
+        assert following.startswith("machine: load "), (lines[i], following)
+    wrong = {lines[i]: contradictions(lines[i]) for i in verdicts if contradictions(lines[i])}
+    assert not wrong, wrong
