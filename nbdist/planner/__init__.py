@@ -14,7 +14,7 @@ Modules: catalog.py (hardware(name): the profiles of nbdist/cost/hardware.py), m
 activation bytes), shapes.py (a plan's shape, checked; which links its groups span), memory.py (bytes per GPU),
 pipeline.py (nbdist's schedule simulator for the bubble), step.py (every term of the step's time), prediction.py
 (predict, Prediction), frontier.py (search, the frontier), published.py (published runs the planner is checked
-against: Megatron-LM Table 1, Korthikanti et al. Tables 3 and 5, MT-NLG, Llama 3 Table 4), local.py ("local": the
+against: Megatron-LM Tables 1 and 2, Korthikanti et al. Tables 3 and 5, MT-NLG, Llama 3 Table 4), local.py ("local": the
 running cluster's engines, measured). Plain Python in the notebook kernel: torch only in the local probe, on the
 engines.
 """

@@ -105,6 +105,13 @@ class GPT:
         whole: 6h for GPT."""
         return self.layer_parameters() - 2 * self.norm_parameters - (2 * self.hidden if self.bias else 0)
 
+    @property
+    def block_tensors(self) -> int:
+        """Parameter tensors of one block as Megatron-LM holds them: q/k/v fused, out, fc (gate and up fused), proj,
+        their biases, two norms (LayerNorm: weight and bias): 12 for GPT, 6 for Llama. A ZeRO-3 that gathers one
+        tensor at a time makes that many calls per block (cost/zero3.py)."""
+        return 4 + (4 if self.bias else 0) + 2 * (2 if self.norm == "layernorm" else 1)
+
     def embedding_parameters(self) -> int:
         """Token embedding (split over tensor-parallel ranks by vocabulary) and learned positions (replicated)."""
         return self.vocab * self.hidden + (self.seq * self.hidden if self.positions == "learned" else 0)

@@ -174,15 +174,17 @@ class Prediction:
 def predict(model: GPT, hw: Hardware, gpus: int, tp: int = 1, pp: int = 1, *, global_batch: int,
             microbatch: int = 1, chunks: int = 1, zero: int = 0, recompute: str = "none",
             sequence_parallel: bool = False, flash_attention: bool = True, dtype: str | None = None,
-            overlap: bool = True, cp: int = 1) -> Prediction:
+            overlap: bool = True, cp: int = 1, zero3_calls: str = "layer") -> Prediction:
     """The predicted step of `model` on `gpus` accelerators of `hw` with dp = gpus / (tp·cp·pp) (see the module
-    docstring; `cp`: context parallelism, each sequence split over cp ranks). Impossible plans are refused in one
+    docstring; `cp`: context parallelism, each sequence split over cp ranks; `zero3_calls`: "layer", ZeRO-3's
+    collectives one per block as FSDP2 issues them, or "parameter", one per tensor as DeepSpeed's ZeRO-3 of 2021
+    did, nbdist/cost/zero3.py). Impossible plans are refused in one
     line (DistUsageError); a plan that does not fit in memory is predicted anyway, with `fits` False and `reason`
     saying why."""
     dtype = dtype or hw.dtype
     one_of(dtype, tuple(hw.peak_flops), f"dtype for {hw.name}")
     s = shape(model, gpus, tp, pp, global_batch, microbatch, chunks, zero, recompute, sequence_parallel,
-              flash_attention, cp)
+              flash_attention, cp, zero3_calls)
     return predict_shape(model, hw, s, dtype, overlap)
 
 

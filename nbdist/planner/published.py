@@ -8,6 +8,11 @@ compared with.
   recomputation, the interleaved schedule, mixed precision. The table gives neither the micro-batch size nor the
   chunks per rank: b = 1 (the paper's large-model runs), and the smallest v >= 2 that divides each stage's layers
   (v = 1 when none does, or without a pipeline).
+- The same paper, Table 2: GPT-3 175B (96 layers, hidden 12,288, 96 heads) at global batch 1,536 on 384, 768 and
+  1,536 GPUs. ZeRO-3 without model parallelism (DeepSpeed's, 2021: dp over every GPU, micro-batch 4, 2, 1, so one
+  micro-batch per step): 144, 88, 44 TFLOP/s per GPU. PTD-P (tp = 8, pp = 12, micro-batch 1): 153, 149, 141.
+  Assumed as for Table 1: full recomputation, the interleaved schedule with Table 1's v; for ZeRO-3 DeepSpeed's
+  way of issuing its collectives then (one all-gather per parameter tensor, list form; nbdist/cost/zero3.py).
 - Megatron-Turing NLG 530B, Smith et al., arXiv 2201.11990, section 2.4 (System Performance Evaluation): 105 layers, hidden
   20,480, 128 heads, sequence 2,048, tp = 8, pp = 35, global batch 1,920, on 280, 350 and 420 DGX A100 nodes:
   126, 121 and 113 TFLOP/s per GPU (iterations of 60.1, 50.2 and 44.4 s; Megatron's FLOPs formula gives those
@@ -45,6 +50,7 @@ from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
+NARAYANAN_T2 = "Megatron-LM (arXiv 2104.04473), Table 2"
 MTNLG = "Megatron-Turing NLG 530B (arXiv 2201.11990), section 2.4"
 KORTHIKANTI = "Korthikanti et al. (arXiv 2205.05198), Tables 3 and 5"
 LLAMA3 = "Llama 3 (arXiv 2407.21783), Table 4"
@@ -70,10 +76,12 @@ class Run:
     cp: int = 1
     zero: int = 0
     modern: bool = False  # FlashAttention and the gradient reduction overlapped (2023 and later); else neither
+    zero3_calls: str = "layer"  # ZeRO-3's collectives per block (FSDP2) or per tensor (DeepSpeed 2021)
 
     @property
     def label(self) -> str:
         setting = "" if self.source != KORTHIKANTI else (", SP + selective" if self.sequence_parallel else ", full")
+        setting += "" if self.source != NARAYANAN_T2 else (", ZeRO-3" if self.zero == 3 else ", PTD-P")
         setting += f", cp={self.cp}" if self.cp > 1 else ""
         return f"{self.model.parameters / 1e9:.1f} B on {self.gpus}{setting}"
 
@@ -81,7 +89,7 @@ class Run:
         return predict(self.model, hw, gpus=self.gpus, tp=self.tp, pp=self.pp, global_batch=self.global_batch,
                        microbatch=self.microbatch, chunks=self.chunks, recompute=self.recompute,
                        sequence_parallel=self.sequence_parallel, flash_attention=self.modern, overlap=self.modern,
-                       cp=self.cp, zero=self.zero)
+                       cp=self.cp, zero=self.zero, zero3_calls=self.zero3_calls)
 
     def published_mfu(self) -> float:
         """The paper's figure as model-FLOPs utilisation (Megatron's formula without recomputation / peak)."""
@@ -119,6 +127,13 @@ TABLE1 = [  # heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP
     _megatron(128, 20480, 105, 8, 35, 2520, 2520, 163),
     _megatron(160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
+
+_GPT3 = gpt(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, name="GPT-3 175B")
+TABLE2_ZERO3 = [Run(NARAYANAN_T2, _GPT3, gpus, 1, 1, 1536, tflops, microbatch=1536 // gpus, zero=3,
+                    zero3_calls="parameter") for gpus, tflops in ((384, 144), (768, 88), (1536, 44))]
+TABLE2_PTDP = [Run(NARAYANAN_T2, _GPT3, gpus, 8, 12, 1536, tflops, chunks=interleaving(96, 12))
+               for gpus, tflops in ((384, 153), (768, 149), (1536, 141))]
+TABLE2 = TABLE2_ZERO3 + TABLE2_PTDP
 
 _MTNLG_MODEL = gpt(layers=105, hidden=20480, heads=128, seq=2048, vocab=51200, name="MT-NLG 530B")
 MT_NLG = [Run(MTNLG, _MTNLG_MODEL, nodes * 8, 8, 35, 1920, tflops) for nodes, tflops in ((280, 126), (350, 121),

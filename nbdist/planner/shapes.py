@@ -19,6 +19,7 @@ from functools import lru_cache
 from nbdist.checks import one_of, whole_number
 from nbdist.cost.collectives import all_gather_seconds, all_reduce_seconds
 from nbdist.cost.hardware import Hardware, Link
+from nbdist.cost.zero3 import ISSUERS
 from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
 from nbdist.planner.model import GPT, RECOMPUTE
@@ -40,6 +41,7 @@ class Shape:
     sequence_parallel: bool
     flash_attention: bool = True
     cp: int = 1  # context parallelism: ranks each sequence is split over
+    zero3_calls: str = "layer"  # how ZeRO-3 issues its collectives: per block (FSDP2) or per tensor (cost/zero3.py)
 
     @property
     def replicas(self) -> int:
@@ -71,7 +73,8 @@ class Shape:
     def describe(self) -> str:
         extras = [f"cp={self.cp}"] if self.cp > 1 else []
         extras += [f"v={self.chunks}"] if self.chunks > 1 else []
-        extras += [f"ZeRO-{self.zero}"] if self.zero else []
+        extras += [f"ZeRO-{self.zero}" + (" per tensor" if self.zero == 3 and self.zero3_calls == "parameter"
+                                          else "")] if self.zero else []
         extras += [f"recompute {self.recompute}"] if self.recompute != "none" else []
         extras += ["sequence parallel"] if self.sequence_parallel and self.tp > 1 else []
         extras += [] if self.flash_attention else ["unfused attention"]
@@ -81,13 +84,14 @@ class Shape:
 
 def shape(model: GPT, gpus: int, tp: int, pp: int, global_batch: int, microbatch: int = 1, chunks: int = 1,
           zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
-          flash_attention: bool = True, cp: int = 1) -> Shape:
+          flash_attention: bool = True, cp: int = 1, zero3_calls: str = "layer") -> Shape:
     """The checked shape of a plan; dp = gpus / (tp·cp·pp)."""
     for label, value in (("gpus", gpus), ("tp", tp), ("pp", pp), ("global_batch", global_batch),
                          ("microbatch", microbatch), ("chunks", chunks), ("cp", cp)):
         whole_number(value, label)
     one_of(zero, (0, 1, 2, 3), "ZeRO stage")
     one_of(recompute, RECOMPUTE, "recompute")
+    one_of(zero3_calls, ISSUERS, "zero3_calls")
     _check_model_split(model, tp, pp, chunks)
     if cp > 1 and model.seq % (2 * cp):
         raise DistUsageError(f"cp={cp} does not split the sequence of {model.seq} into 2·cp = {2 * cp} equal "
@@ -101,7 +105,7 @@ def shape(model: GPT, gpus: int, tp: int, pp: int, global_batch: int, microbatch
         raise DistUsageError(f"global batch {global_batch} is not divisible by dp × microbatch = {dp} × "
                              f"{microbatch} = {dp * microbatch}: every replica runs whole micro-batches")
     s = Shape(gpus, tp, pp, dp, global_batch, microbatch, chunks, zero, recompute, bool(sequence_parallel),
-              bool(flash_attention), cp)
+              bool(flash_attention), cp, zero3_calls)
     _check_schedule(s)
     return s
 

@@ -19,7 +19,9 @@ Per micro-batch and model chunk (one tensor-parallel rank's share of its layers)
   simulator (pipeline.py) plays the step with these durations: its makespan holds the bubble and the waits.
 - ZeRO-2/3 (FSDP2, each pipeline stage on its own): per micro-batch a reduce-scatter of the gradients (and for
   ZeRO-3 an all-gather of the weights before the forward and again before the backward, a third time before a
-  full recomputation).
+  full recomputation), each ring-priced over the data-parallel group; one call per block, each paying the ring's
+  latency once per step ((n - 1) steps: at thousands of ranks that, not the bytes, grows), or one per parameter
+  tensor as DeepSpeed's ZeRO-3 of 2021 issued them, with the list form's per-member copies (cost/zero3.py).
 
 After the pipeline: the data-parallel gradient sync (ZeRO-0: all-reduce; ZeRO-1/2: reduce-scatter, and an
 all-gather of the updated weights after the optimizer), the tied embedding's all-reduce between the first and
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nbdist.cost import data_parallel
+from nbdist.cost import data_parallel, zero3
 from nbdist.cost.hardware import Hardware
 from nbdist.planner import memory, ops, pipeline
 from nbdist.planner.model import GPT
@@ -137,7 +139,7 @@ def _chunk(model: GPT, s: Shape, hw: Hardware, dtype: str, where: dict[str, Plac
     tp = where["tp"].all_reduce(s.microbatch * model.seq / s.cp * model.hidden * e)
     tp_f = (2 * layers + (1 if first else 0)) * tp
     tp_b = (4 if s.recompute == "full" else 2) * layers * tp
-    zero_f, zero_b = _zero_per_microbatch(model, s, dtype, where["dp"], layers)
+    zero_f, zero_b = _zero_per_microbatch(model, s, dtype, where["dp"], layers, hw.streaming_bandwidth())
     cp_f, cp_b = _context_exchange(model, s, where["cp"], e, _seconds(attention, hw, dtype, True))
     return ChunkTime(matmul_f, 2 * matmul_f, elementwise_f, 2 * elementwise_f, recompute, tp_f, tp_b, zero_f,
                      zero_b, overlap, cp_forward=layers * cp_f,
@@ -160,18 +162,25 @@ def _seconds(kernels: list[ops.Kernel], hw: Hardware, dtype: str, matmul: bool) 
     return sum(k.seconds(flops, bandwidth) for k in kernels if k.matmul == matmul)
 
 
-def _zero_per_microbatch(model: GPT, s: Shape, dtype: str, dp: Placement, layers: int) -> tuple[float, float]:
+def _zero_per_microbatch(model: GPT, s: Shape, dtype: str, dp: Placement, layers: int,
+                         bandwidth: float) -> tuple[float, float]:
     """(forward, backward) seconds of ZeRO-2/3's collectives in each micro-batch on a chunk of `layers` layers
-    (FSDP2 on each stage: its share of the first rank's parameters)."""
+    (FSDP2 on each stage: its share of the first rank's parameters). Each call pays its ring's latency: one per
+    block as FSDP2 issues them, one per tensor (and the list form's copies) as DeepSpeed's ZeRO-3 of 2021 did
+    (cost/zero3.py); `bandwidth`: the accelerator's streaming bandwidth, for those copies."""
     if s.zero < 2:
         return 0.0, 0.0
     w, g, _ = memory.state_bytes(dtype)
     first = sum(memory.chunk_layers(model, s.pp * s.chunks)[::s.pp])
     psi = memory.rank_parameters(model, s, 0) * layers / first
-    scatter = dp.gather(psi * g)
+    latency = dp.gather(0.0)  # one call's ring latency: (n - 1) steps
+    scatters = zero3.scatter_calls(s.zero3_calls, layers, psi)
+    scatter = dp.gather(psi * g) + (scatters - 1) * latency
     if s.zero == 2:
         return 0.0, scatter
-    gather = dp.gather(psi * w)
+    calls = zero3.gathers_per_pass(s.zero3_calls, layers, model.block_tensors)
+    gather = (dp.gather(psi * w) + (calls - 1) * latency
+              + zero3.list_form_seconds(s.zero3_calls, calls, dp.members, psi * w, bandwidth))
     return gather, scatter + gather * (2 if s.recompute == "full" else 1)
 
 
