@@ -99,6 +99,7 @@ class PlanExplorer(Controls, WithStaticCopy):
         self.applied = None
         self.applied_plan = None
         self.step: StepTime | None = None
+        self._overheads: dict[tuple, object] = {}  # a plan's shape -> the library overheads measured for it once
         self._note = ""
         self._figures: list = []
         self._static_handle = None
@@ -183,13 +184,17 @@ class PlanExplorer(Controls, WithStaticCopy):
         return settings
 
     def _balance(self, s: dict) -> list[int] | None:
-        if self.balance_by.value == "hand":
+        if self.balance_by.value == "hand" and self.counts.value.strip():
             return parse_counts(self.counts.value)
         if s["pp"] * s["chunks"] > len(self.origin.layers):
             return None  # no cut exists: the plan refuses it, in its own words
         micro = micro_batch_size(s["batch"], s["dp"], s["microbatches"])
-        sizes = layer_sizes(self.origin.layers, self.balance_by.value, s["tp"], micro)
-        return layer_counts(sizes, s["pp"] * s["chunks"])
+        by = "parameters" if self.balance_by.value == "hand" else self.balance_by.value
+        counts = layer_counts(layer_sizes(self.origin.layers, by, s["tp"], micro), s["pp"] * s["chunks"])
+        if self.balance_by.value == "hand":  # an empty box (pp was 1): start the hand cut from the balanced one
+            with self.quietly():
+                self.counts.value = ", ".join(map(str, counts))
+        return counts
 
     # -- planning -------------------------------------------------------------------------------------------------
 
@@ -205,6 +210,7 @@ class PlanExplorer(Controls, WithStaticCopy):
     def profile(self) -> "PlanExplorer":
         """Time the layers on rank 0 (Plan.profile); later plans reuse the times (see the module docstring)."""
         self._note = ""
+        self._overheads = {}  # measured afresh with the layers: every later plan predicts from this profile
         self.origin = self.plan.profile()
         self._replan()
         return self
@@ -246,15 +252,18 @@ class PlanExplorer(Controls, WithStaticCopy):
         plan, refused = self.plan, self.refusal is not None
         self.chunks.disabled = self.schedule.disabled = self.balance_by.disabled = self.pp.value == 1
         self.counts.disabled = self.pp.value == 1 or self.balance_by.value != "hand"
+        self.counts.placeholder = "all layers on every rank" if self.pp.value == 1 else "e.g. 3, 3"
         if self.counts.disabled and not refused:
             with self.quietly():
                 self.counts.value = _counts_text(plan)
         self.step, self.problem = None, None
         if not refused:
-            self.step, self.problem = _step_or_problem(plan)
+            self.step, self.problem = self._step_or_problem(plan)
         running = plan.cluster.running
         if not running and not refused:
             self.problem = self.problem or STOPPED
+        if not running and self._note.startswith("applied:"):
+            self._note = ""  # the applied model went with the cluster
         self.apply_button.disabled = refused or not running
         self.profile_button.disabled = not running
         line = self.refusal or self.problem
@@ -305,6 +314,30 @@ class PlanExplorer(Controls, WithStaticCopy):
             lines.append(f'<span class="nbdist-plan-note">{html.escape(self._note)}</span>')
         return '<div class="nbdist-plan-explorer">' + "<br>".join(lines) + "</div>"
 
+    def _predicted_step(self, plan) -> StepTime | None:
+        """The plan's predicted step once its layers are timed (never profiles: that is the button's to do). The
+        layer times are the last profile's, and the libraries' overheads of a plan's shape are measured once and
+        kept: an unchanged plan predicts the same step at every redraw (measuring again on each one moved it by 10
+        to 20 %, more than the differences between optimizers or ZeRO stages that the view is there to show)."""
+        if any(layer.forward_s is None for layer in plan.layers):
+            return None
+        if plan.overheads is None:  # a new (tp, ZeRO, optimizer, mesh): its overheads only, not the layers again
+            key = (plan.dp, plan.pp, plan.tp, plan.zero, plan.optimizer_kind,
+                   micro_batch_size(plan.batch, plan.dp, plan.microbatches))
+            if key not in self._overheads:
+                plan.links = plan._measure_links()  # the overheads are net of the links' prices
+                self._overheads[key] = plan._measure_overheads()
+            plan.overheads = self._overheads[key]
+        return plan.predicted_step()  # its pipeline Timeline is in seconds: the drawing shows ms
+
+    def _step_or_problem(self, plan) -> tuple[StepTime | None, str | None]:
+        """(the predicted step, None), or (None, why the engines could not give it): a plan changed from a profiled
+        one may need the engines again (a new tp times its overheads), and a stopped cluster must say so."""
+        try:
+            return self._predicted_step(plan), None
+        except (DistUsageError, DistError) as e:
+            return None, _engines_problem(plan, e)
+
     # -- display --------------------------------------------------------------------------------------------------
 
     def static_html(self) -> str:
@@ -320,20 +353,6 @@ class PlanExplorer(Controls, WithStaticCopy):
         return f"<PlanExplorer of {self.plan.describe()}>"
 
 
-def _predicted_step(plan) -> StepTime | None:
-    """The plan's predicted step once its layers are timed (never profiles: that is the button's to do)."""
-    if any(layer.forward_s is None for layer in plan.layers):
-        return None
-    return plan.predicted_step()  # its pipeline Timeline is in seconds: the drawing shows ms
-
-
-def _step_or_problem(plan) -> tuple[StepTime | None, str | None]:
-    """(the predicted step, None), or (None, why the engines could not give it): a plan changed from a profiled one
-    may need the engines again (a new tp times its overheads), and a stopped cluster must say so in the view."""
-    try:
-        return _predicted_step(plan), None
-    except (DistUsageError, DistError) as e:
-        return None, _engines_problem(plan, e)
 
 
 def _engines_problem(plan, error: Exception) -> str:
@@ -344,7 +363,7 @@ def _engines_problem(plan, error: Exception) -> str:
 
 def _counts_text(plan) -> str:
     if plan.boundaries is None:
-        return "all layers on every rank"
+        return ""  # the box's placeholder says "all layers on every rank"; a typed cut starts from an empty box
     return ", ".join(str(b - a) for a, b in plan.boundaries)
 
 

@@ -11,7 +11,10 @@ from itertools import product
 import plotly.graph_objects as go
 
 CELL_FONT_SIZE = 11  # a fixed size: plotly's default ("auto") shrinks a cell's text to ~5 px in a narrow figure
-REPLICA_COLOURS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#EECA3B", "#9D755D"]
+# one colour per replica, none of them a colour another figure gives a meaning: the plan explorer draws this picture
+# beside its memory chart, whose parameters, gradients, optimizer state and activations are blue, orange, green
+# and purple (viz/plan.py MEMORY_PARTS); the replicas were those same four colours
+REPLICA_COLOURS = ["#EECA3B", "#9CDED6", "#C9B18B", "#D3D3D3", "#9D755D", "#E7E1A8", "#A0A0A0", "#F2B8C6"]
 
 
 def mesh_figure(mesh, title: str | None = None) -> go.Figure:
