@@ -125,18 +125,34 @@ def test_bad_input_is_one_line(choices, message):
     assert "\n" not in str(caught.value)
 
 
-def test_the_trainer_takes_it_in_its_plan(cluster):
-    """Trainer(plan={..., "zero3_sync": "last"}, grad_accum=k) trains as with every micro-batch synced."""
+def test_the_trainer_takes_it_as_a_keyword_or_in_its_plan(cluster):
+    """Trainer(zero3_sync="last", grad_accum=k, plan={... zero: 3}), or the key in the plan itself, trains as with
+    every micro-batch synced."""
     losses = {}
-    for how in ("every", "last"):
-        tr = nbdist.Trainer(_gpt, _text, models.lm_loss, _sgd, plan={"dp": 2, "zero": 3, "zero3_sync": how},
-                            batch_size=16, grad_accum=MICRO, live=False, cluster=cluster)
+    ways = {"every": ({}, {}), "keyword": ({"zero3_sync": "last"}, {}), "plan": ({}, {"zero3_sync": "last"})}
+    for way, (keywords, in_plan) in ways.items():
+        tr = nbdist.Trainer(_gpt, _text, models.lm_loss, _sgd, plan={"dp": 2, "zero": 3, **in_plan}, batch_size=16,
+                            grad_accum=MICRO, live=False, cluster=cluster, **keywords)
         try:
-            losses[how] = [r["loss"] for r in tr.fit(steps=3)]
-            assert tr.plan.layout.zero3_sync == how
+            losses[way] = [r["loss"] for r in tr.fit(steps=3)]
+            assert tr.plan.layout.zero3_sync == ("every" if way == "every" else "last")
         finally:
             tr.close()
-    torch.testing.assert_close(losses["last"], losses["every"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses["keyword"], losses["every"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses["plan"], losses["every"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(zero3_sync="last", grad_accum=4), "plan=None is plain data parallelism"),
+    (dict(zero3_sync="last", grad_accum=4, plan={"dp": 2, "zero": 3, "zero3_sync": "every"}), "in one place"),
+    (dict(zero3_sync="last", plan={"dp": 2, "zero": 3}), "there is one micro-batch"),
+    (dict(zero3_sync="last", grad_accum=4, plan={"dp": 2, "zero": 1}), "this layout has zero=1"),
+    (dict(zero3_sync="sometimes"), "zero3_sync must be 'every'"),
+])
+def test_the_trainer_says_bad_input_in_one_line(cluster, options, message):
+    with pytest.raises(DistUsageError, match=message) as caught:
+        nbdist.Trainer(_gpt, _text, models.lm_loss, _sgd, batch_size=16, live=False, cluster=cluster, **options)
+    assert "\n" not in str(caught.value)
 
 
 def _text():

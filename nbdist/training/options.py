@@ -13,6 +13,7 @@ from typing import Any
 
 from nbdist.checks import one_of, whole_number
 from nbdist.errors import DistUsageError
+from nbdist.layout import ZERO3_SYNCS, Layout
 from nbdist.training.spec import NONFINITE, PRECISIONS, SYNC_KINDS, Checkpointing, Data, Optimization, Telemetry
 
 GROUPS: dict[str, type] = {"data": Data, "optimization": Optimization, "checkpointing": Checkpointing,
@@ -102,6 +103,9 @@ def check(d: Data, o: Optimization, c: Checkpointing, world: int) -> None:
     if not isinstance(o.sync_options, dict):
         raise DistUsageError(f"sync_options must be a dict (e.g. {{'period': 4}}), got {type(o.sync_options).__name__}")
     check_options(o.sync, o.sync_options, world)
+    if o.zero3_sync not in ZERO3_SYNCS:
+        raise DistUsageError(f"zero3_sync must be 'every' (ZeRO-3 reduce-scatters after every micro-batch) or 'last' "
+                             f"(only after the last), got {o.zero3_sync!r}")
     whole_number(d.batch_size, "batch_size")
     whole_number(o.grad_accum, "grad_accum")
     whole_number(d.seed, "seed", 0)
@@ -119,6 +123,29 @@ def check(d: Data, o: Optimization, c: Checkpointing, world: int) -> None:
         raise DistUsageError(f"eval_batches={d.eval_batches} needs an eval_data_fn (the evaluation data set)")
     if o.clip is not None and not (isinstance(o.clip, (int, float)) and o.clip > 0):
         raise DistUsageError(f"clip must be a positive number (the largest gradient norm), got {o.clip!r}")
+
+
+def with_zero3_sync(plan, o: Optimization):
+    """The Trainer's plan with its zero3_sync option in it (nbdist.Layout's field, which the plan's accumulation
+    reads). Left at "every", the plan's own is used; "last" goes into a Layout or a dict of nbdist.shard's choices,
+    must agree with a Plan already made or a key given twice, and is one line where it cannot apply (no plan:
+    plain data parallelism; whole replicas)."""
+    if o.zero3_sync == "every":
+        return plan
+    if plan is None or o.sync != "allreduce":
+        whole = "plan=None is plain data parallelism" if o.sync == "allreduce" else f"sync={o.sync!r} trains replicas"
+        raise DistUsageError(f"zero3_sync={o.zero3_sync!r} changes how ZeRO-3 accumulates, but {whole}: give "
+                             "plan={'dp': ..., 'zero': 3} with grad_accum > 1")
+    if isinstance(plan, Layout):
+        plan = {f.name: getattr(plan, f.name) for f in fields(plan) if getattr(plan, f.name) != f.default}
+    if isinstance(plan, dict):
+        given = plan.get("zero3_sync", o.zero3_sync)
+    else:
+        given = getattr(getattr(plan, "layout", None), "zero3_sync", o.zero3_sync)
+    if given != o.zero3_sync:
+        raise DistUsageError(f"zero3_sync={o.zero3_sync!r} but the plan has zero3_sync={given!r}: give it in one "
+                             "place")
+    return {**plan, "zero3_sync": given} if isinstance(plan, dict) else plan
 
 
 def microbatches(plan: dict, grad_accum: int, batch_size: int) -> int:

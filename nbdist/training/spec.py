@@ -38,6 +38,7 @@ class Optimization:
     sync: str = "allreduce"  # or "local-sgd", "easgd", "ssp": whole replicas, synchronised by their rule
     sync_options: dict = field(default_factory=dict)
     on_nonfinite: str = "stop"  # a NaN / inf loss: stop the fit at that step (one line), or "warn" / "ignore" and go on
+    zero3_sync: str = "every"  # ZeRO-3 with grad_accum: reduce-scatter after "every" micro-batch or the "last" only
 
 
 @dataclass(frozen=True)

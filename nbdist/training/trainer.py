@@ -68,10 +68,10 @@ class Trainer:
       (options.microbatches: about 2·pp);
     - `data=Data(batch_size=64, seed=0, eval_data_fn=None, eval_every=None, eval_batches=4)`;
     - `optimization=Optimization(precision="fp32", grad_accum=1, clip=None, lr_schedule=None, sync="allreduce",
-      sync_options={}, on_nonfinite="stop")`: `sync` "allreduce" (the plan's own synchronous gradients),
-      "local-sgd", "easgd" or "ssp" (each replica a whole model; `sync_options` e.g. {"period": 4});
-      `on_nonfinite` what a NaN or infinite loss does: "stop" the fit after that step (NonFiniteLoss, one line
-      naming the step and the ranks), "warn" (one line, training goes on) or "ignore";
+      sync_options={}, on_nonfinite="stop", zero3_sync="every")`: `sync` "allreduce" (the plan's synchronous
+      gradients), "local-sgd", "easgd" or "ssp" (whole replicas; `sync_options` e.g. {"period": 4}); `on_nonfinite`
+      what a NaN or infinite loss does: "stop" the fit (NonFiniteLoss, one line naming the step and the ranks),
+      "warn" or "ignore"; `zero3_sync="last"`: ZeRO-3 reduce-scatters once per step of grad_accum micro-batches;
     - `checkpointing=Checkpointing(dir=None, every=None, asynchronous=False)`: as keywords these three keep their
       older names, checkpoint_dir, checkpoint_every and async_checkpoint (options.ALIASES);
     - `telemetry=Telemetry(live=True, tensorboard=None, trace=None, straggler={})`: `live` the dashboard in a
@@ -105,7 +105,7 @@ class Trainer:
         self.id = f"train{next(_numbers)}"
         self.model_fn, self.data_fn, self.loss_fn, self.optimizer_fn = model_fn, data_fn, loss_fn, optimizer_fn
         self._example, self._build, self._closed = None, None, False
-        self.plan = self._plan(model_fn, plan, o.grad_accum, o.sync)
+        self.plan = self._plan(model_fn, options_of.with_zero3_sync(plan, o), o.grad_accum, o.sync)
         self.replicas = self.plan.dp if self.plan is not None else self.cluster.world_size
         parts = self.plan.microbatches if self.plan is not None else o.grad_accum
         if d.batch_size % (self.replicas * parts):
