@@ -71,3 +71,48 @@ def binary_log_ticks(low: float, high: float) -> tuple[list[float], list[str]]:
     stride = max(1, math.ceil(len(powers) / 8))
     values = [2.0**p for p in powers[::stride]]
     return values, [format_bytes(v) for v in values]
+
+
+def format_count(count: float, noun: str, plural: str | None = None) -> str:
+    """A count with its noun, grammatical and grouped: (1, 'GPU') -> '1 GPU', (2097152, 'GPU') -> '2,097,152 GPUs';
+    whole counts only print whole ('1,536 GPUs', never '1536.0')."""
+    amount = f"{count:,.0f}" if count == int(count) else f"{count:,.3g}"
+    return f"{amount} {noun if count == 1 else plural or noun + 's'}"
+
+
+def format_parameters(parameters: float) -> str:
+    """A model's size said as a count, not a byte size: 1.746e11 -> '174.6 billion parameters', 1.008e12 ->
+    '1.01 trillion parameters' (a bare '1008.0 B' reads like bytes)."""
+    for word, scale in (("trillion", 1e12), ("billion", 1e9), ("million", 1e6)):
+        if parameters >= scale:
+            value = parameters / scale
+            return f"{value:.3g} {word} parameters" if value < 100 else f"{value:,.1f} {word} parameters"
+    return format_count(parameters, "parameter")
+
+
+def format_duration(seconds: float) -> str:
+    """A duration from a minute up in whole units a person reads at once: 100 -> '1 min 40 s', 3725 -> '1 h 2 min',
+    1110 -> '18 min 30 s'; below a minute, format_seconds ('4.56 s', '12.3 ms')."""
+    if abs(seconds) < 60:
+        return format_seconds(seconds)
+    if abs(seconds) < 3600:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+    if abs(seconds) < 86400:
+        hours, rest = divmod(round(seconds / 60), 60)
+        return f"{hours} h {rest} min" if rest else f"{hours} h"
+    days, rest = divmod(round(seconds / 3600), 24)
+    return f"{days} days {rest} h" if rest else f"{days} days"
+
+
+_DURATION_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)  # whole minutes and hours
+
+
+def duration_ticks(total: float, most: int = 6) -> tuple[list[float], list[str]]:
+    """Ticks from 0 to `total` seconds: below two minutes as second_ticks; above, at whole minutes or hours (1, 2,
+    5, 10, 15, 30 min, 1, 2, 3, 6, 12 h, 1 day), labelled by format_duration ('1 min 30 s' never, '2 min', '1 h')."""
+    if total <= 120:
+        return second_ticks(total, most)
+    step = next((s for s in _DURATION_STEPS if s * most >= total), 86400 * _round_step(total / most / 86400))
+    values = [i * step for i in range(int(total / step + 1e-9) + 1)]
+    return values, ["0 s" if v == 0 else format_duration(v) for v in values]

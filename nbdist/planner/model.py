@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from nbdist.checks import one_of, whole_number
 from nbdist.errors import DistUsageError
+from nbdist.units import format_parameters
 
 RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
@@ -213,7 +214,7 @@ class GPT:
         name = f"{self.name}: " if self.name else ""
         heads = f"{self.heads} heads" + (f" ({self.groups} k/v)" if self.groups != self.heads else "")
         ff = f"{'SwiGLU ' if self.gated else ''}ff {self.ff}"
-        return (f"{name}{self.parameters / 1e9:.3g} B parameters: {self.layers} layers, hidden {self.hidden}, "
+        return (f"{name}{format_parameters(self.parameters)}: {self.layers} layers, hidden {self.hidden}, "
                 f"{heads}, {ff}, sequence {self.seq}, vocabulary {self.vocab}" + ("" if self.tied else ", untied"))
 
 

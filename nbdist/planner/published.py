@@ -48,6 +48,7 @@ from nbdist.cost.hardware import Hardware
 from nbdist.planner.catalog import hardware
 from nbdist.planner.model import GPT, gpt, llama
 from nbdist.planner.prediction import Prediction, predict
+from nbdist.units import format_count, format_parameters
 
 MEGATRON = "Megatron-LM (arXiv 2104.04473), Table 1"
 NARAYANAN_T2 = "Megatron-LM (arXiv 2104.04473), Table 2"
@@ -83,7 +84,7 @@ class Run:
         setting = "" if self.source != KORTHIKANTI else (", SP + selective" if self.sequence_parallel else ", full")
         setting += "" if self.source != NARAYANAN_T2 else (", ZeRO-3" if self.zero == 3 else ", PTD-P")
         setting += f", cp={self.cp}" if self.cp > 1 else ""
-        return f"{self.model.parameters / 1e9:.1f} B on {self.gpus}{setting}"
+        return f"{format_parameters(self.model.parameters)} on {format_count(self.gpus, 'GPU')}{setting}"
 
     def predict(self, hw: Hardware) -> Prediction:
         return predict(self.model, hw, gpus=self.gpus, tp=self.tp, pp=self.pp, global_batch=self.global_batch,

@@ -16,7 +16,7 @@ import ipywidgets as widgets
 from nbdist.errors import DistUsageError
 from nbdist.planner import PROFILES, Prediction, gpt, hardware, predict
 from nbdist.planner.model import GPT, RECOMPUTE, llama
-from nbdist.units import format_bytes, format_seconds
+from nbdist.units import format_bytes, format_count, format_duration
 from nbdist.viz.cluster_plan import memory_bar_figure, time_breakdown_figure
 from nbdist.viz.display import figure_html
 from nbdist.widgets.controls import Controls
@@ -33,6 +33,7 @@ MODELS: dict[str, GPT] = {  # Megatron-LM's Table 1 sizes (arXiv 2104.04473), GP
     "Llama 3 8 B (32 layers, 4096, GQA 8)": llama(32, 4096, 32, 8, 14336),
     "Llama 3 70 B (80 layers, 8192, GQA 8)": llama(80, 8192, 64, 8, 28672),
 }
+SLIDER_WIDTH, SLIDER_MIN = "320px", "260px"  # a slider keeps its label, track and value readable
 CONTROLS = ("model", "hardware", "tp", "cp", "pp", "dp", "chunks", "microbatch", "global_batch", "zero", "recompute",
             "sequence_parallel", "flash_attention")
 
@@ -88,9 +89,17 @@ class ClusterPlannerView(Controls, WithStaticCopy):
             getattr(self, name).observe(self._on_change, names="value")
 
     def _rows(self) -> list[widgets.HBox]:
-        return [widgets.HBox([self.model, self.hardware, self.global_batch]),
-                widgets.HBox([self.tp, self.pp, self.dp]), widgets.HBox([self.cp, self.chunks, self.microbatch]),
-                widgets.HBox([self.zero, self.recompute, self.sequence_parallel, self.flash_attention])]
+        """Rows that wrap: in a narrow notebook (JupyterLab at 1000 px with the file browser open) a control that
+        does not fit moves to the next line instead of being cut off, and no slider shrinks below SLIDER_MIN."""
+        for slider in (self.tp, self.pp, self.dp, self.cp, self.chunks, self.microbatch):
+            slider.layout = widgets.Layout(width=SLIDER_WIDTH, min_width=SLIDER_MIN)
+        for control in (self.model, self.hardware, self.global_batch, self.zero, self.recompute,
+                        self.sequence_parallel, self.flash_attention):
+            control.layout.flex = "0 0 auto"  # its own width, never squeezed
+        rows = ([self.model, self.hardware, self.global_batch], [self.tp, self.pp, self.dp],
+                [self.cp, self.chunks, self.microbatch],
+                [self.zero, self.recompute, self.sequence_parallel, self.flash_attention])
+        return [widgets.HBox(row, layout=widgets.Layout(flex_flow="row wrap", width="100%")) for row in rows]
 
     def _on_change(self, _change) -> None:
         if not self._quiet:
@@ -127,7 +136,7 @@ class ClusterPlannerView(Controls, WithStaticCopy):
                                    f"{html.escape(self.setting())}: {html.escape(problem)}</p>" if problem else "")
         self._figures = [] if p is None else [
             memory_bar_figure(p.breakdown["memory"], p.hardware.memory_bytes),
-            time_breakdown_figure(p.breakdown["time"], title=f"step {format_seconds(p.step_seconds)}, bubble "
+            time_breakdown_figure(p.breakdown["time"], title=f"step {format_duration(p.step_seconds)}, bubble "
                                                              f"{p.pipeline.bubble_fraction:.1%}")]
         for view, figure in zip((self.memory, self.time), self._figures or [None, None]):
             view.layout.display = "none" if figure is None else None
@@ -146,11 +155,12 @@ class ClusterPlannerView(Controls, WithStaticCopy):
     def _status_html(self) -> str:
         p = self.prediction
         context = f" × c {self.cp.value}" if self.cp.value > 1 else ""
-        head = f"{self.gpus} GPUs = t {self.tp.value}{context} × p {self.pp.value} × d {self.dp.value}"
+        head = (f"{format_count(self.gpus, 'GPU')} = t {self.tp.value}{context} × p {self.pp.value} × "
+                f"d {self.dp.value}")
         if p is None:
             return f'<div class="nbdist-cluster-planner"><b>{head}</b>: refused</div>'
         return (f'<div class="nbdist-cluster-planner" data-step-s="{p.step_seconds:.6g}" '
-                f'data-memory="{p.memory_per_gpu:.6g}"><b>{head}</b>: step {format_seconds(p.step_seconds)}, '
+                f'data-memory="{p.memory_per_gpu:.6g}"><b>{head}</b>: step {format_duration(p.step_seconds)}, '
                 f"{p.tokens_per_second:,.0f} tokens/s, {p.tflops_per_gpu:,.1f} TFLOP/s per GPU, MFU {p.mfu:.1%}, "
                 f"{format_bytes(p.memory_per_gpu)} per GPU ({'fits' if p.fits else 'does not fit'})</div>")
 

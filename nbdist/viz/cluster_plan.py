@@ -13,12 +13,14 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from nbdist.units import format_bytes, format_seconds
-from nbdist.viz.axes import byte_axis, byte_log_axis, seconds_axis
+from nbdist.units import duration_ticks, format_bytes, format_duration
+from nbdist.viz.axes import byte_axis, byte_log_axis
 
-MEMORY_COLOURS = {"weights": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B", "gathered layers": "#72B7B2",
-                  "activations": "#B279A2",
-                  "logits": "#E45756", "reserved": "#BAB0AC"}
+# One colour, one meaning, in every figure of a plan: the memory parts and the step terms share no colour but the
+# optimizer's (its bytes and its time), and a term's colour is its own whichever figure draws it (the cluster
+# planner's TIME_TERMS and the local predictor's StepTime.terms(), which names some of them its own way).
+MEMORY_COLOURS = {"weights": "#6A3D9A", "gradients": "#CAB2D6", "optimizer": "#54A24B", "gathered layers": "#BCBD22",
+                  "activations": "#1B9E77", "logits": "#FDB462", "reserved": "#BAB0AC"}
 # one colour per step term, by name (nbdist.planner.prediction.TIME_TERMS), whichever terms a plan has
 TIME_COLOURS = {"matmul": "#4C78A8", "element-wise": "#72B7B2", "recomputation": "#8CD17D",
                 "tensor-parallel all-reduces": "#F58518", "context-parallel k/v ring (exposed)": "#17BECF",
@@ -26,7 +28,12 @@ TIME_COLOURS = {"matmul": "#4C78A8", "element-wise": "#72B7B2", "recomputation":
                 "pipeline bubble and messages": "#E45756", "data-parallel sync (exposed)": "#B279A2",
                 "all-gather of updated weights": "#9D755D", "tied embedding sync": "#EECA3B",
                 "optimizer": MEMORY_COLOURS["optimizer"]}  # the optimizer's time in its memory's colour
-OTHER_COLOURS = ("#BAB0AC", "#D62728", "#1F77B4", "#2CA02C")  # a term not named above: by a stable hash of its name
+# the same meanings as the local predictor names them (nbdist.sharding.step_time.StepTime.terms)
+TERM_ALIASES = {"compute": "matmul", "pipeline bubbles and messages": "pipeline bubble and messages",
+                "data-parallel sync": "data-parallel sync (exposed)"}
+TIME_COLOURS |= {alias: TIME_COLOURS[term] for alias, term in TERM_ALIASES.items()}
+TIME_COLOURS |= {"libraries (DTensor, FSDP2)": "#D37295", "ranks sharing the cores": "#7F7F7F"}
+OTHER_COLOURS = ("#A0CBE8", "#FFBE7D", "#B6992D", "#499894")  # a term not named above: by a stable hash of its name
 LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.3, "x": 0}  # under the tick labels, no axis title
 
 
@@ -60,12 +67,13 @@ def time_breakdown_figure(time: Mapping[str, float], title: str | None = None) -
     total = sum(time.values())
     terms = [(name, value) for name, value in time.items() if value > 1e-12]
     traces = [go.Bar(name=name, y=["step"], x=[value], orientation="h", marker={"color": time_colour(name)},
-                     hovertext=[f"{name}: {format_seconds(value)} ({value / total:.1%})"], hoverinfo="text")
+                     hovertext=[f"{name}: {format_duration(value)} ({value / total:.1%})"], hoverinfo="text")
               for name, value in terms]
     fig = go.Figure(traces)
-    fig.update_layout(title=title or f"step time: {format_seconds(total)}", barmode="stack", height=250,
+    fig.update_layout(title=title or f"step time: {format_duration(total)}", barmode="stack", height=250,
                       margin={"l": 70, "r": 20, "t": 60, "b": 40}, legend=LEGEND_BELOW,
-                      xaxis={"range": [0, total * 1.02], **seconds_axis(total)})
+                      xaxis={"range": [0, total * 1.02], "tickmode": "array",
+                             **dict(zip(("tickvals", "ticktext"), duration_ticks(total)))})
     return fig
 
 
@@ -86,7 +94,7 @@ def frontier_figure(points: Sequence[Mapping], capacity: float, best: Mapping | 
                              mode="lines", name="frontier", line={"color": "#54A24B", "shape": "hv"}))
     if best is not None:
         fig.add_trace(go.Scatter(x=[best["memory"]], y=[best["tokens_per_second"]], mode="markers", name="best",
-                                 marker={"color": "#E45756", "size": 14, "symbol": "star"},
+                                 marker={"color": "#111111", "size": 14, "symbol": "star"},
                                  hovertext=[best["plan"]], hoverinfo="text"))
     fig.add_vline(x=capacity, line={"color": "#B00020", "dash": "dash"},
                   annotation_text=f"memory {format_bytes(capacity)}")
@@ -119,10 +127,12 @@ def validation_figure(rows: Sequence[Mapping], tolerance: float = 0.15, title: s
                                  line={"color": "#BAB0AC", "dash": "dot"}, hoverinfo="skip"))
     fig.add_trace(go.Scatter(x=[low, high], y=[low, high], mode="lines", name="predicted = published",
                              line={"color": "#79706E"}))
+    shown = labelled(rows, high - low)
     for source in dict.fromkeys(r["source"] for r in rows):
         chosen = [r for r in rows if r["source"] == source]
         fig.add_trace(go.Scatter(x=[r["published"] for r in chosen], y=[r["predicted"] for r in chosen],
-                                 mode="markers+text", name=source, text=[r["run"] for r in chosen],
+                                 mode="markers+text", name=source,
+                                 text=[r["run"] if id(r) in shown else "" for r in chosen],
                                  textposition="middle right", textfont={"size": 9},
                                  hovertext=[f"{r['run']}: predicted {r['predicted']:.0f}, published "
                                             f"{r['published']:.0f} ({r['predicted'] / r['published'] - 1:+.0%})"
@@ -132,3 +142,15 @@ def validation_figure(rows: Sequence[Mapping], tolerance: float = 0.15, title: s
                       yaxis={"title": "predicted TFLOP/s per GPU", "range": [low, high]},
                       legend={"orientation": "h", "y": -0.2}, margin={"l": 70, "r": 20, "t": 60, "b": 60})
     return fig
+
+
+def labelled(rows: Sequence[Mapping], span: float, wide: float = 0.3, tall: float = 0.04) -> set[int]:
+    """The ids of the rows whose point gets a text label (drawn to the point's right, about `wide` of the axis
+    `span` long and `tall` of it high): a point whose label would run into one already kept keeps only its hover
+    text, so no two labels are drawn over each other."""
+    kept: list[Mapping] = []
+    for r in sorted(rows, key=lambda r: (r["published"], r["predicted"])):
+        if all(abs(r["published"] - k["published"]) > wide * span or abs(r["predicted"] - k["predicted"])
+               > tall * span for k in kept):
+            kept.append(r)
+    return {id(r) for r in kept}
