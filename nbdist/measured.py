@@ -48,6 +48,42 @@ def machine_load() -> Load:
 
 
 @dataclass(frozen=True)
+class CoreShare:
+    """The share of a core each rank got with every rank computing at once (its CPU seconds over wall seconds;
+    the slowest rank's), measured when a plan was profiled, with the load then: what a step's prediction assumes
+    the ranks get. A prediction scales the layers' core seconds by it, so it holds while the load stays near the
+    one it was measured under, and says how far the load is now (str)."""
+
+    share: float
+    ranks: int  # the ranks on this host, which compete for its cores with each other and with other work
+    load: Load
+
+    @property
+    def others(self) -> float:
+        """Runnable processes besides the ranks, in cores' worth: what the ranks' share says competes with them
+        (the cores over the share, less the ranks)."""
+        return max(0.0, self.load.cores / self.share - self.ranks) if self.ranks else 0.0
+
+    @property
+    def slowdown(self) -> float:
+        """Wall seconds per core second of a rank's compute with every rank busy."""
+        return 1.0 / self.share
+
+    @property
+    def others_fraction(self) -> float:
+        """The part of the competition for the cores that stays when the ranks idle (other work)."""
+        return self.others / (self.others + self.ranks) if self.ranks else 0.0
+
+    def __str__(self) -> str:
+        now = machine_load()
+        return (f"assumes each of {self.ranks} ranks gets {self.share:.2f} of a core with every rank busy, as "
+                f"measured at profile time under load {self.load.average:.1f} on {self.load.cores} cores; "
+                f"now {now.average:.1f}")
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
 class Repeats:
     """One quantity measured several times: its median and its spread (lowest and highest)."""
 

@@ -4,7 +4,8 @@ datasheet.
 What a user expects from `planner.hardware("local")`: the planner pointed at the engines they can start here, so
 its predictions can be set beside a measured step. So:
 - `hardware("local", cluster=c)` measures now, on the running cluster `c` (every engine busy at once, as in a
-  step): a matmul probe (a Linear layer's forward and backward on every engine: its FLOP/s is the profile's
+  step), in core seconds scaled by the share of a core each engine gets now (other work on the host counted:
+  sharding/core_shares.py; the notes say the share and load assumed): a matmul probe (a Linear layer's forward and backward on every engine: its FLOP/s is the profile's
   "peak", with matmul efficiency 1), a streaming probe (a ReLU's forward and backward: bytes per second, memory
   efficiency 1), and the α-β fit of a 2-rank all-reduce through torch.distributed
   (nbdist.collectives.benchmark(...).fit(), costmodel.fit_alpha_beta): the link between engines. A few seconds.
@@ -50,9 +51,18 @@ def measure(cluster) -> Hardware:
     """Measure the profile on `cluster`'s engines now (see the module docstring)."""
     from nbdist import collectives
 
+    from nbdist.measured import machine_load
+    from nbdist.sharding import core_shares
+
     gpus = all(device.startswith("cuda") for device in cluster.devices)
+    first = core_shares.share_now(cluster)
     measured = {"matmul_flops": _matmul_flops(cluster, gpus), "stream_bandwidth": _stream_bandwidth(cluster, gpus),
                 "engines": cluster.world_size}
+    cores = core_shares.measured(cluster, first, core_shares.share_now(cluster))
+    if cores is not None:  # the probes' core seconds, at the share of a core each engine gets now
+        measured.update(matmul_flops=measured["matmul_flops"] * cores.share,
+                        stream_bandwidth=measured["stream_bandwidth"] * cores.share,
+                        core_share=cores.share, load=machine_load().average, cores=cores.load.cores)
     if gpus:
         from nbdist.runtime.ranks.placement import memory_report
 
@@ -78,6 +88,9 @@ def _profile(m: dict, how: str) -> Hardware:
     if "bf16_matmul_flops" in m:
         flops["bf16"] = m["bf16_matmul_flops"]
     memory = m.get("device_memory") or _ram_bytes() / engines
+    if "core_share" in m:
+        how += (f"; assumes each engine gets {m['core_share']:.2f} of a core with every engine busy, as measured "
+                f"under load {m['load']:.1f} on {m['cores']} cores")
     return Hardware("local", flops, memory, m["stream_bandwidth"], 1.0, link, link,
                     engines, memory_efficiency=1.0, reserved_bytes=0.5 * GiB, dtype="fp32",
                     notes=f"this machine's engines, {how}", measured=dict(m))

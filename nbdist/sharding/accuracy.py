@@ -27,6 +27,7 @@ class Checked:
     terms: dict[str, float]  # the prediction's terms (StepTime.terms), seconds
     measured_s: list[float]  # each timed step
     memory: list[tuple[int, float, float]]  # per rank: (rank, measured bytes, predicted bytes)
+    assumes: object = None  # the share of a core the prediction assumed (measured.CoreShare; None on GPUs)
 
     @property
     def measured_median_s(self) -> float:
@@ -73,7 +74,7 @@ def check(model_fn: Callable, settings: dict, *, batch: int, batches: Callable[[
                   for row in built.measured_memory()]
     finally:
         built.close()
-    return Checked(label(settings), predicted.total_s, predicted.terms(), times, memory)
+    return Checked(label(settings), predicted.total_s, predicted.terms(), times, memory, predicted.assumes)
 
 
 def check_all(model_fn: Callable, strategies: Sequence[dict], **options) -> list[Checked]:

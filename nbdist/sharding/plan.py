@@ -26,6 +26,8 @@ from nbdist.checks import check_functions, one_of, whole_number
 from nbdist.cluster.api import Cluster, current
 from nbdist.errors import DistUsageError
 from nbdist.layout import Layout
+from nbdist.measured import CoreShare
+from nbdist.sharding import core_shares
 from nbdist.sharding.memory import RankMemory, predict_memory
 from nbdist.sharding.profile import profile_layers, sample_input, with_times
 from nbdist.sharding.ranks import timing
@@ -102,6 +104,7 @@ class Plan:
                                      kinds(self.tp_styles), self.units,
                                      strict=all(isinstance(v, str) for v in self.tp_styles.values()))
         self.overheads: Overheads | None = None  # measured by profile()
+        self.cores: CoreShare | None = None  # measured by profile(): the share of a core each rank gets now
         self.links: dict = {}  # measured by profile(): dimension -> the α-β of an all-reduce on its groups
 
     # the layout's choices, read where the plan is used (plan.dp, ...); the built schedule is the plan's own
@@ -140,18 +143,21 @@ class Plan:
                                       schedule=self.schedule, batch=self.batch, optimizer=self.optimizer_kind)
 
     def profile(self, repeats: int = 5) -> "Plan":
-        """Time every layer's forward and backward on rank 0 (the engines' device and threads, not the kernel's),
-        at this plan's micro-batch size; the step-time prediction needs it. Returns the plan."""
+        """Time every layer's forward and backward on rank 0 (the engines' device, on CPU in core seconds) at this
+        plan's micro-batch size, and the share of a core each rank gets now with every rank busy (`cores`, other
+        work counted); the step-time prediction needs both. Returns the plan."""
         whole_number(repeats, "repeats")
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats,
                                  example=self.example, units=None if self.flat else self.units, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
-        self.links = self._measure_links()
+        first = core_shares.share_now(self.cluster)
+        self.links = self._measure_links(fresh=True)  # the load now, not a cached plan's
         self.overheads = self._measure_overheads()
+        self.cores = core_shares.measured(self.cluster, first, core_shares.share_now(self.cluster))
         return self
 
-    def _measure_links(self) -> dict:
+    def _measure_links(self, fresh: bool = False) -> dict:
         """Per parallel dimension with more than one rank (dp, tp), the α-β of an all-reduce on its groups,
         measured with every group of the mesh at once (the cores shared as in a step): 4 ranks on 2 cores pay
         several times a 2-rank group's latency, which the default fit (2 ranks alone) does not know."""
@@ -167,7 +173,7 @@ class Plan:
             if n == 1:
                 continue
             key = (id(self.cluster), self.cluster.generation, mesh.name, dim)
-            if key in _measured_links:  # the plan explorer's controls make new plans of the same shapes again and again
+            if key in _measured_links and not fresh:  # the plan explorer's controls make new plans of the same shapes again and again
                 links[dim] = _measured_links[key]
                 continue
             times = self.cluster.run(timing.group_all_reduce_seconds, mesh.name, dim, list(LINK_SIZES))
@@ -238,30 +244,25 @@ class Plan:
         if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
-        # the libraries' costs were measured with every rank busy: per rank alone, as the layers were timed; the
-        # prediction shares the cores where the schedule keeps ranks busy at once (step_time.sharing_the_cores)
+        # the libraries' costs and the tp all-reduces (in each F and B) were measured with every rank busy: per
+        # rank alone, as the layers were timed; the schedule shares the cores again (step_time.sharing_the_cores)
         alone = replace(self.overheads, tp_linear=tuple(t / slower for t in self.overheads.tp_linear),
                         fsdp_unit=tuple(t / slower for t in self.overheads.fsdp_unit))
         wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
         if alpha_beta is None and not wanted <= set(self.links):  # a plan made by changed(): from the cache
             self.links = self._measure_links()
-        links = {} if alpha_beta is not None else self.links
-        return predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
-                                    boundaries=self.boundaries, microbatches=self.microbatches,
-                                    schedule=self.schedule, batch=self.batch, alpha_beta=alpha_beta,
-                                    overheads=alone, links=links, contention=slower)
+        links = {} if alpha_beta is not None else dict(self.links)
+        if "tp" in links:
+            links["tp"] = replace(links["tp"], alpha=links["tp"].alpha / slower, beta=links["tp"].beta / slower)
+        step = predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
+                                    boundaries=self.boundaries, microbatches=self.microbatches, schedule=self.schedule,
+                                    batch=self.batch, alpha_beta=alpha_beta, overheads=alone, links=links,
+                                    contention=slower, others=self.cores.others_fraction if self.cores else 0.0)
+        return replace(step, assumes=self.cores)
 
     def contention(self) -> float:
-        """How much slower a rank computes in the step than alone in the profile: CPU engines on this host sharing
-        its cores (4 ranks on 2 cores: 2x; the profile times the layers on rank 0 while the others wait). 1 on
-        GPU engines, and for ranks on other hosts, whose cores the kernel cannot count."""
-        import os
-        import socket
-
-        if any(not device.startswith("cpu") for device in self.cluster.devices):
-            return 1.0
-        here = sum(host == socket.gethostname() for host in self.cluster.hosts)
-        return max(1.0, here / len(os.sched_getaffinity(0)))
+        """How much longer a rank computes in the step than in the profile (sharding/core_shares.py)."""
+        return core_shares.contention(self.cluster, self.cores)
 
     def ranks(self) -> list[dict]:
         """One row per rank: its coordinates, its layers and its predicted memory."""
@@ -335,6 +336,7 @@ class Plan:
             plan.layers = with_times(plan.layers, [(l.forward_s, l.backward_s) for l in self.layers])
             same = (merged["tp"], merged["zero"], merged["optimizer"]) == (self.tp, self.zero, self.optimizer_kind)
             plan.overheads = self.overheads if same else None
+            plan.cores = self.cores
         return plan
 
     def side_by_side(self, model) -> list[dict]:

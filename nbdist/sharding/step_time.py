@@ -77,6 +77,7 @@ class StepTime:
     library_backward_s: list[float] = field(default_factory=list)
     microbatches: int = 1
     shared_cores_s: float = 0.0  # what ranks sharing a host's cores add to the schedule (sharing_the_cores)
+    assumes: object = None  # the share of a core the ranks were measured to get (measured.CoreShare), said in repr
 
     @property
     def makespan_s(self) -> float:
@@ -119,7 +120,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                          boundaries: Sequence[tuple[int, int]] | None, microbatches: int, schedule: str | Schedule,
                          batch: int, alpha_beta: "AlphaBeta | None" = None, param_bytes: int = 4,
                          overheads: Overheads | None = None, links: dict | None = None,
-                         contention: float = 1.0) -> StepTime:
+                         contention: float = 1.0, others: float = 0.0) -> StepTime:
     """The step's time from timed profiles (with_times), the schedule simulator and the alpha-beta model.
 
     Compute: each layer's seconds per sample x micro-batch size, its split part / tp, the split part taken as its
@@ -136,6 +137,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     `contention`: how much slower a rank computes when every rank of its host is busy (4 CPU ranks on 2 cores:
     2). The per-stage times are a rank's alone; the simulated schedule is stretched where ranks compute at once
     (sharing_the_cores): `pipeline` is the schedule as it runs, `shared_cores_s` what the sharing added.
+    `others`: the part of the competition for the cores that is other work (it stays while ranks idle).
     """
     check_zero(zero)
     ab = alpha_beta or default_alpha_beta()
@@ -156,7 +158,7 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
     v = schedule.chunks  # the simulator divides a rank's time by its chunks; these times are per stage already
     alone = schedule.simulate(forward=[(f + t + o) * v for f, t, o in zip(forward, tp_f, lib_f)],
                               backward=[(b + t + o) * v for b, t, o in zip(backward, tp_b, lib_b)], comm=message)
-    timeline = sharing_the_cores(alone, contention)
+    timeline = sharing_the_cores(alone, contention, others)
     timeline.name, timeline.unit = f"{schedule.name} (predicted)", "s"
     sync = [_dp_sync([sum(p.numel(tp) for p in layer.tensors) * param_bytes for layer in stage], dp, zero,
                      microbatches, dp_ab) for stage in stages]
@@ -168,13 +170,15 @@ def predict_step_seconds(layers: Sequence[LayerProfile], *, dp: int, pp: int, tp
                     microbatches, timeline.makespan - alone.makespan)
 
 
-def sharing_the_cores(timeline: Timeline, contention: float) -> Timeline:
+def sharing_the_cores(timeline: Timeline, contention: float, others: float = 0.0) -> Timeline:
     """A simulated schedule as it runs when ranks share their host's cores. Every pipeline (each dp replica, each
     tp slice) runs the same schedule at once, so while b of a pipeline's p stages compute, b/p of the host's ranks
     do, and each computes max(1, contention x b / p) times slower than alone: the clock is stretched by that much
     there. A rank waiting for a message keeps its core only for the first YIELD_SECONDS of the wait (the MPI
     backend's polling: cost/waiting.py), then sleeps between tests. A pipeline's warm-up and cool-down (some stages
-    idle) stretch less than its steady part; with one stage the whole step takes `contention` x its time alone."""
+    idle) stretch less than its steady part; with one stage the whole step takes `contention` x its time alone.
+    `others`: the part of the competition for the cores that is other work (busy processes beside the cluster):
+    it stays while stages idle, so there the clock runs contention x (others + (1 - others) x b / p) slower."""
     if contention <= 1.0 or not any(s.action.is_compute for row in timeline.spans.values() for s in row):
         return timeline
     holding = [[(s.start, s.end) if s.action.is_compute else (s.start, min(s.end, s.start + YIELD_SECONDS))
@@ -184,7 +188,7 @@ def sharing_the_cores(timeline: Timeline, contention: float) -> Timeline:
     warped = [edges[0]]
     for a, b in zip(edges, edges[1:]):
         busy = sum(any(start <= a and b <= end for start, end in row) for row in holding)
-        warped.append(warped[-1] + (b - a) * max(1.0, contention * busy / len(holding)))
+        warped.append(warped[-1] + (b - a) * max(1.0, contention * (others + (1 - others) * busy / len(holding))))
     at = dict(zip(edges, warped))  # every span's ends are edges
     spans = {rank: [Span(s.action, at[s.start], at[s.end],
                          s.wait * (at[s.end] - at[s.start]) / s.duration if s.duration else s.wait) for s in row]

@@ -4,13 +4,17 @@ local hardware profile start from.
 Why here and not in the kernel: the kernel never touches CUDA, and a layer timed on the kernel's CPU says nothing of
 an engine's GPU. The layer and its input arrive built on CPU (from the user's function, or pickled from the
 kernel) and are moved to the rank's device first; each forward and backward is timed with the device's own clock
-(CUDA events on a GPU, where the host only queues kernels; the host clock on CPU).
+(CUDA events on a GPU, where the host only queues kernels). On CPU the clock is the process's CPU time: the
+seconds of a core the layer took, whatever else shares the core while it is timed (a loaded classroom machine
+preempts a rank timed alone as much as it likes); the kernel scales core seconds to the step's wall time by the
+share of a core each rank gets with every rank busy (`core_share`, measured at profile time).
 """
 from __future__ import annotations
 
 import copy
 import math
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +25,20 @@ from nbdist.cluster.meshes.ranks import rank_mesh
 from nbdist.data_parallel.ranks import zero
 from nbdist.runtime.ranks import placement
 from nbdist.tensor_parallel.ranks import tensor_parallel
+
+
+class CoreClock(placement.HostClock):
+    """CPU: a mark is this process's CPU time (the engines run torch on one thread), so a timing is the core
+    seconds the work took, not the wall seconds it waited for a core."""
+
+    def mark(self):
+        return time.process_time()
+
+
+def stopwatch(device: torch.device | None = None):
+    """The clock the layer timings use: CUDA events on a GPU, CPU time on CPU (CoreClock)."""
+    device = placement.here() if device is None else device
+    return CoreClock() if device.type == "cpu" else placement.stopwatch(device)
 
 
 def time_layers(model: nn.Sequential, sample_batch: torch.Tensor, repeats: int = 5,
@@ -56,7 +74,7 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, batch: int) -> 
     forward, backward = [], []
     for _ in range(repeats + 1):  # the first run warms up the allocator and autograd
         x_in = x.detach().requires_grad_(x.is_floating_point())
-        watch = placement.stopwatch(x.device)
+        watch = stopwatch(x.device)
         start = watch.mark()
         y = layer(x_in)
         middle = watch.mark()
@@ -81,6 +99,25 @@ def model_layer_times(model_fn: bytes, size: int, repeats: int, example=None,
     if units is None:
         return time_layers(model, x, repeats)
     return time_units(model, x, units, repeats)
+
+
+def core_share(seconds: float = 0.25) -> float:
+    """The share of a core this rank gets while every rank computes at once, as in a step: from a barrier, small
+    matmuls for `seconds` of wall time, this process's CPU seconds over them. Other work on the host (another
+    user's job, a class's kernels) takes its part: 4 ranks on 2 quiet cores get about 0.5 each, beside two busy
+    processes about 0.33."""
+    dist.barrier()
+    x = torch.randn(48, 48)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        x = torch.tanh(x @ x)
+    return _share(time.process_time() - cpu, time.perf_counter() - wall)
+
+
+def _share(cpu: float, wall: float) -> float:
+    """CPU seconds over wall seconds, at most 1 (an engine runs torch on one thread; a helper thread's CPU time
+    is not more core for the rank's compute)."""
+    return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 
 def time_units(model: nn.Module, inputs, units: list[str], repeats: int = 5) -> list[tuple[float, float]]:
@@ -123,7 +160,7 @@ def _scaled_to_whole(model: nn.Module, inputs, times: list[tuple[float, float]],
 
     forward, backward = [], []
     for _ in range(repeats + 1):
-        watch = placement.stopwatch()
+        watch = stopwatch()
         start = watch.mark()
         output = batches.call(model, inputs)
         middle = watch.mark()
@@ -151,7 +188,7 @@ def _time_call(module: nn.Module, args: tuple, kwargs: dict, repeats: int, batch
     for _ in range(repeats + 1):
         a = batches.apply(args, lambda t: t.detach().requires_grad_(t.is_floating_point()))
         k = batches.apply(kwargs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-        watch = placement.stopwatch()
+        watch = stopwatch()
         start = watch.mark()
         out = module(*a, **k)
         middle = watch.mark()
