@@ -125,8 +125,8 @@ def _num(value: float) -> str:
 
 
 def _spelled(unit: str) -> str:
-    """A unit as it follows a number: '471 µs', '4.8x', a bare count."""
-    return "x" if unit == "x" else f" {unit}" if unit else ""
+    """A unit as it follows a number: '471 µs', '4.8x', '44%', a bare count."""
+    return unit if unit in ("x", "%") else f" {unit}" if unit else ""
 
 
 def order(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "faster") -> str:
