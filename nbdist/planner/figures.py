@@ -48,7 +48,7 @@ def link_sweep_figure(curves: Mapping[str, tuple[Sequence[float], Sequence[float
         at = high if k % 2 == 0 else low  # alternate top and bottom: neighbouring marks' labels do not collide
         fig.add_trace(go.Scatter(x=[bandwidth], y=[at], mode="text", text=[name], showlegend=False,
                                  textposition="top center" if k % 2 == 0 else "bottom center",
-                                 textfont={"size": 10, "color": colour}, hoverinfo="skip"))
+                                 textfont={"size": 10, "color": colour}, hoverinfo="skip", cliponaxis=False))
     xs = [v for x, _ in curves.values() for v in x] + list(marks.values())
     fig.update_layout(title=title, height=480, legend=LEGEND_BELOW, margin={"l": 70, "r": 20, "t": 70, "b": 60},
                       xaxis={"title": "bandwidth across hosts, GB/s per GPU each way (log)", "type": "log",
