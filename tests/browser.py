@@ -67,6 +67,9 @@ root => Array.from(root.querySelectorAll('.js-plotly-plot, .plotly-graph-div')).
     lines: Array.from(gd.querySelectorAll('path.js-line')).filter(p => (p.getAttribute('d') || '').length > 2).length,
     markers: gd.querySelectorAll('.scatterlayer .point').length,
     yticks: Array.from(gd.querySelectorAll('.ytick text')).map(t => t.textContent),
+    // the drawn figure inside the output it is shown in: a fixed-width figure was cut at 1000 px
+    fits: (() => { const svg = gd.querySelector('.main-svg'), out = gd.closest('.jp-OutputArea-output') || gd;
+                   return !svg || svg.getBoundingClientRect().right <= out.getBoundingClientRect().right + 1; })(),
   };
 })
 """

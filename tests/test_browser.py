@@ -138,9 +138,9 @@ def shut_down_and_look(lab: LabServer, started: list[psutil.Process], files_befo
 
 
 @contextmanager
-def trial_page(lab: LabServer, browser: Browser):
+def trial_page(lab: LabServer, browser: Browser, viewport=(1280, 1000)):
     """A fresh page for one trial; if the trial breaks, its kernel (and so its cluster) is shut down at once."""
-    page = browser.new_page()
+    page = browser.new_page(viewport=viewport)
     try:
         yield page
     except BaseException:
@@ -195,7 +195,7 @@ class QuickstartRun:
 def quickstart(lab, browser) -> QuickstartRun:
     started = time.monotonic()
     files_before, log_offset = lab.profile_files(), lab.log_size()
-    with trial_page(lab, browser) as page:
+    with trial_page(lab, browser, viewport=(1000, 1000)) as page:  # JupyterLab's default, its file browser open
         notebook = LabNotebook(lab, page, "00_quickstart.ipynb")
         plots, running = [], []
         for index in notebook.code_cells():
@@ -230,6 +230,7 @@ class Click:
     measured_shown: int  # visible "measured" charts in the cell's output: 1 when the view shows once
     bubble_spans: int
     static_copies_shown: int
+    in_flight: str = ""  # the view's "in flight" line
 
 
 @dataclass
@@ -258,6 +259,8 @@ out => {
     tick: ticks.length ? ticks[0].dataset.tick : null,
     total: ticks.length ? ticks[0].dataset.total : null,
     static_plots_shown: plots.filter(p => !inWidget(p)).length,
+    in_flight: (Array.from(out.querySelectorAll('p.nbdist-stats')).filter(shown).map(p => p.textContent)[0] || '')
+                 .split('in flight:')[1] || '',
   };
 }
 """
@@ -299,7 +302,7 @@ def _click(notebook: LabNotebook, output, label: str, expect_tick) -> Click:
     state, measured, ideal = _view_of(output)
     bubble = float(state["bubble"]) if state["bubble"] else None  # empty while nothing has been measured
     return Click(label, state["tick"], state["total"], measured, ideal, bubble, str((measured or {}).get("title", "")),
-                 state["measured_shown"], state["bubbles"], state["static_plots_shown"])
+                 state["measured_shown"], state["bubbles"], state["static_plots_shown"], state["in_flight"])
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +355,7 @@ def test_quickstart_figure_draws_with_data(quickstart):
     for plot in quickstart.plots:
         assert is_drawn(plot), f"an empty figure: {plot}"
         assert plot["lines"] or plot["markers"], f"the loss curve has no line or marker: {plot}"
+        assert plot["fits"], f"the figure is cut at 1000 px (its last steps gone): {plot}"
 
 
 def test_quickstart_console_has_no_errors(quickstart):
@@ -387,6 +391,9 @@ def test_stepper_ticks_follow_the_clicks(stepper):
     assert total is not None, "no span.nbdist-tick[data-tick][data-total] in the view"
     one = [("Step", "1"), ("Step", "2"), ("Step", "3"), ("Run", total), ("Reset", "0"), ("Run", total), ("Reset", "0")]
     assert ticks == one * STEPPED_TRIALS + [("Step", "1")]
+    flights = [c.in_flight for c in stepper.clicks]
+    assert any("sends" in f for f in flights), flights  # a message in flight, said in words
+    assert not [f for f in flights if re.search(r"SEND|RECV|->", f)], flights  # not '0SEND_F2 -> 1RECV_F2'
 
 
 def test_stepper_after_reset_shows_the_ranks_and_the_ideal(stepper):
@@ -590,6 +597,7 @@ out => {
     const add = (kind, sel) => gd.querySelectorAll(sel).forEach(
       el => { if (el.getBoundingClientRect().width > 0) parts.push({kind, r: rect(el), text: el.textContent}); });
     add('title', '.gtitle'); add('subtitle', '.gtitle-subtitle'); add('legend', '.legend .bg');
+    add('panel title', '.annotation-text');
     add('axis title', '.g-xtitle text, .g-ytitle text'); add('xtick', '.xtick text');
     const overlaps = [];
     parts.forEach((a, i) => parts.slice(i + 1).forEach(b => {
@@ -628,15 +636,35 @@ def _unreadable(plots: list[dict]) -> list[str]:
 
 @dataclass
 class ViewsRun:
-    """What the plan explorer (lab 33) and the Trainer's dashboard (lab 34) showed, move by move."""
+    """What the Trainer's dashboard (lab 34: its first fit stopped with ■, then the lab's later cells) and the plan
+    explorer (lab 33) showed, move by move."""
 
     explorer: dict[str, dict] = field(default_factory=dict)  # move -> {plots, status, refusal, apply_disabled}
-    dashboard: dict = field(default_factory=dict)
+    dashboard: dict = field(default_factory=dict)  # what the dashboard showed: "live" while the fit ran, "stopped"
+    later_cells: dict[int, str] = field(default_factory=dict)  # lab 34's cell index -> its output's text
+    lr_ticks: list[str] = field(default_factory=list)  # lab 34's learning-rate axis
     console_errors: list[str] = field(default_factory=list)
 
 
+def _lab_cells(name: str) -> list[str]:
+    """A lab's cells' sources, as the file in notebooks/ has them."""
+    import nbformat
+
+    return [cell.source for cell in nbformat.read(NOTEBOOKS / name, as_version=4).cells]
+
+
+LAB34 = "34_training_dashboard.ipynb"
+LAB34_SETUP, LAB34_FIT = 1, 5  # the lab's imports, functions and cluster; its first fit
+LAB34_LATER = (4, 7, 8, 11, 13, 15)  # the cells a learner runs next (the prediction first): each must work after ■
+VIEWS_DASHBOARD_CELLS = 2 + len(LAB34_LATER) + 1  # setup, fit, the later cells, the close
+FIT_CELL = 1  # the trial's cell that runs the lab's first fit
 VIEWS_CELLS = [
-    dedent("""\
+    # lab 34 as a learner meets it: the first fit of a fresh kernel, stopped with ■, then the cells after it
+    lambda: _lab_cells(LAB34)[LAB34_SETUP],
+    lambda: "STEPS = 100_000  # longer than the trial: it stops the fit with ■\n" + _lab_cells(LAB34)[LAB34_FIT],
+    *[lambda index=index: _lab_cells(LAB34)[index] for index in LAB34_LATER],
+    lambda: "tr.close()\nnbdist.stop()",
+    lambda: dedent("""\
         import nbdist
         from nbdist import models
 
@@ -649,18 +677,7 @@ VIEWS_CELLS = [
         plan = nbdist.shard(tiny_gpt, dp=1, pp=2, tp=2, microbatches=2, batch=8).profile()
         view = plan.widget()
         view"""),
-    dedent("""\
-        def text():
-            from nbdist import data
-            return data.text_dataset(seq=16, max_bytes=1 << 16)
-
-        def adam(params):
-            import torch
-            return torch.optim.Adam(params, lr=1e-3)
-
-        tr = nbdist.Trainer(tiny_gpt, text, models.lm_loss, adam, batch_size=16, seed=0)
-        history = tr.fit(steps=10)"""),
-    "nbdist.stop()",
+    lambda: "nbdist.stop()",
 ]
 EXPLORER_STATUS_JS = """
 out => ({status: (out.querySelector('.jupyter-widgets .nbdist-plan-describe') || {}).textContent || '',
@@ -674,8 +691,12 @@ out => ({progress: (Array.from(out.querySelectorAll('.jupyter-widgets .widget-ht
          static_height: Array.from(out.querySelectorAll('.nbdist-static-copy'))
                        .map(e => e.closest('.jp-OutputArea-output') || e)
                        .reduce((h, e) => h + e.getBoundingClientRect().height, 0),
-         annotations: Array.from(out.querySelectorAll('.nbdist-plot .annotation-text')).map(a => a.textContent)})
+         annotations: Array.from(out.querySelectorAll('.nbdist-plot .annotation-text')).map(a => a.textContent),
+         text: out.innerText})
 """
+Y2_TICKS_JS = "out => Array.from(out.querySelectorAll('.y2tick text')).map(t => t.textContent)"
+STOPPED_AT = re.compile(r"stopped after step (\d+)")
+CELL_FAILED = re.compile(r"Traceback|\b\w+(Error|Exception)\b")
 
 
 def _pick(output, label: str, option: str) -> None:
@@ -690,37 +711,80 @@ def _explorer_seen(notebook: LabNotebook, output) -> dict:
     return {**output.evaluate(EXPLORER_STATUS_JS), "plots": output.evaluate(VIEW_FIT_JS)}
 
 
+def _dashboard_seen(output) -> dict:
+    return {**output.evaluate(DASHBOARD_JS), "plots": output.evaluate(VIEW_FIT_JS),
+            "drawn": [p for p in measure_plots(output) if p["in_widget"]]}
+
+
+def _stop_the_fit(notebook: LabNotebook, output, run: ViewsRun) -> None:
+    """Shift+Enter on the fit; once its dashboard has drawn (while the cell still runs), ■ as the lab invites."""
+    cell = notebook.cells.nth(FIT_CELL)
+    cell.scroll_into_view_if_needed()
+    cell.locator(".jp-InputPrompt").click()
+    notebook.page.keyboard.press("Shift+Enter")
+    pressed = time.monotonic()
+    drawn = wait_for(lambda: any(is_drawn(p) for p in measure_plots(output) if p["in_widget"]), 60)
+    run.dashboard["seconds_to_first_draw"] = round(time.monotonic() - pressed, 1)
+    running = "*" in notebook.prompt(FIT_CELL)  # (the server's kernel state reads idle between widget messages)
+    run.dashboard["live"] = {"drawn_while_running": bool(drawn) and running, **_dashboard_seen(output)}
+    time.sleep(2.0)  # a few redraws, then the stop button
+    stop = notebook.page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) [data-command="notebook:interrupt-kernel"]')
+    if stop.count():
+        stop.first.click()
+    else:  # the same command from the keyboard: I, I in command mode
+        for key in ("Escape", "i", "i"):
+            notebook.page.keyboard.press(key)
+    if not wait_for(notebook.idle, 60):
+        raise TimeoutError("the fit did not stop within 60 s of the stop button")
+    time.sleep(1.0)  # the last redraw
+    run.dashboard["stopped"] = _dashboard_seen(output)
+
+
 @pytest.fixture(scope="module")
 def views(lab, browser) -> ViewsRun:
-    """The plan explorer shown, redrawn by a control, then the cluster stopped under it and a new tp chosen;
-    a 10-step fit's dashboard between the two."""
+    """Lab 34's first fit stopped with ■ in a fresh kernel and page (at 1600 px, then 1000 px wide: JupyterLab's
+    default with its file browser open), the lab's next cells run after it; then the plan explorer shown, redrawn
+    by a control, and the cluster stopped under it with a new tp chosen."""
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in VIEWS_CELLS])
+    cells = [make() for make in VIEWS_CELLS]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, lab.root / "views_trial.ipynb")
     run = ViewsRun()
-    page = browser.new_page(viewport=(1280, 2000))  # tall: a cell's screenshot shows the whole explorer
+    page = browser.new_page(viewport=(1600, 2000))  # tall: a cell's screenshot shows the whole view
     try:
         notebook = LabNotebook(lab, page, "views_trial.ipynb")
         notebook.run_cell(0, timeout=300)
-        explorer = notebook.output(0)
+        dashboard = notebook.output(FIT_CELL)
+        _stop_the_fit(notebook, dashboard, run)
+        screenshot(notebook.cells.nth(FIT_CELL), "views-dashboard-1600")
+        page.set_viewport_size({"width": 1000, "height": 2000})
+        time.sleep(1.0)  # the resize observer's redraw
+        run.dashboard["narrow"] = _dashboard_seen(dashboard)
+        screenshot(notebook.cells.nth(FIT_CELL), "views-dashboard-1000")
+        for index, lab_index in enumerate(LAB34_LATER, start=2):
+            notebook.run_cell(index, timeout=300)
+            run.later_cells[lab_index] = notebook.output_text(index)
+            if lab_index == 11:
+                time.sleep(1.0)  # plotly's draw
+                run.lr_ticks = notebook.output(index).evaluate(Y2_TICKS_JS)
+        notebook.run_cell(VIEWS_DASHBOARD_CELLS - 1, timeout=120)
+        page.set_viewport_size({"width": 1280, "height": 2000})
+        first = VIEWS_DASHBOARD_CELLS
+        notebook.run_cell(first, timeout=300)
+        explorer = notebook.output(first)
         wait_for(lambda: len(explorer.evaluate(VIEW_FIT_JS)) == 3, 30)
         run.explorer["shown"] = _explorer_seen(notebook, explorer)
-        screenshot(notebook.cells.nth(0), "views-explorer-1-shown")
+        screenshot(notebook.cells.nth(first), "views-explorer-1-shown")
         _pick(explorer, "schedule", "gpipe")
         run.explorer["schedule: gpipe"] = _explorer_seen(notebook, explorer)
-        screenshot(notebook.cells.nth(0), "views-explorer-2-gpipe")
-        notebook.run_cell(1, timeout=300)
-        dashboard = notebook.output(1)
-        time.sleep(1.5)
-        run.dashboard = {**dashboard.evaluate(DASHBOARD_JS), "plots": dashboard.evaluate(VIEW_FIT_JS)}
-        screenshot(notebook.cells.nth(1), "views-dashboard")
-        notebook.run_cell(2, timeout=120)
+        screenshot(notebook.cells.nth(first), "views-explorer-2-gpipe")
+        notebook.run_cell(first + 1, timeout=120)
         _pick(explorer, "dp", "2")  # refused: dp·pp·tp = 8 on 4 ranks
         _pick(explorer, "tp", "1")  # a new tp: its overheads need the (stopped) engines
         run.explorer["stopped, tp 1"] = _explorer_seen(notebook, explorer)
-        screenshot(notebook.cells.nth(0), "views-explorer-3-stopped")
+        screenshot(notebook.cells.nth(first), "views-explorer-3-stopped")
     finally:
         lab.shutdown_kernels()  # the kernel, and its cluster if the trial broke before stopping it
         page.context.close()
@@ -750,16 +814,40 @@ def test_plan_explorer_says_the_cluster_stopped_and_disables_apply(views):
 def test_dashboard_reads_per_step_and_takes_no_space_for_its_static_copy(views):
     from nbdist.viz.training import NO_SAMPLE, SPLIT_TITLE
 
-    seen = views.dashboard
-    plots = seen["plots"]
-    assert len(plots) == 1 and _unreadable(plots) == [], _unreadable(plots)
-    texts = plots[0]["texts"]
-    assert SPLIT_TITLE in texts, texts  # the per-step panel says it is a mean per step
-    step = re.search(r"step (\d+)", seen["progress"])
-    assert step and plots[0]["title"].endswith(f"step {step.group(1)}"), (seen["progress"], plots[0]["title"])
-    sampled = any(t.endswith(("MiB", "GiB", "KiB")) for t in texts)
-    assert sampled or NO_SAMPLE.split("<br>")[0] in " ".join(seen["annotations"]), (texts, seen["annotations"])
-    assert seen["static_height"] < 5, f"the static copy takes {seen['static_height']} px under the live dashboard"
+    for width in ("stopped", "narrow"):  # 1600 px, then 1000 px
+        seen = views.dashboard[width]
+        plots = seen["plots"]
+        assert len(plots) == 1 and _unreadable(plots) == [], (width, _unreadable(plots))
+        texts = plots[0]["texts"]
+        assert SPLIT_TITLE.replace("<br>", "") in texts, texts  # the per-step panel says it is a mean per step
+        step = re.search(r"step (\d+)", seen["progress"])
+        assert step and plots[0]["title"].endswith(f"step {step.group(1)}"), (seen["progress"], plots[0]["title"])
+        sampled = any(t.endswith(("MiB", "GiB", "KiB")) for t in texts)
+        assert sampled or NO_SAMPLE.split("<br>")[0] in " ".join(seen["annotations"]), (texts, seen["annotations"])
+        assert seen["static_height"] < 5, f"the static copy takes {seen['static_height']} px under the live dashboard"
+
+
+def test_dashboard_draws_live_in_the_first_fit_of_a_fresh_kernel(views):
+    live = views.dashboard["live"]  # the page had no plotly.js, and the busy kernel could not answer its request
+    assert live["drawn_while_running"], (views.dashboard["seconds_to_first_draw"], live["drawn"])
+
+
+def test_dashboard_after_a_stop_names_one_step_and_keeps_its_utilisation(views):
+    seen = views.dashboard["stopped"]
+    label, stopped = re.search(r"step (\d+)", seen["progress"]), STOPPED_AT.search(seen["text"])
+    assert label and stopped and label.group(1) == stopped.group(1), (seen["progress"], seen["text"][-300:])
+    (plot,) = seen["drawn"]
+    busy = [b for b in plot["bars"] if b["trace"].startswith(("CPU %", "GPU %"))]
+    assert busy and all(b["h"] >= 1 for b in busy), busy  # bars, not an empty panel
+    assert not [t for t in plot["yticks"] if t.startswith(("−", "-"))], plot["yticks"]  # no -1..1 "%" axis
+
+
+def test_lab34_cells_after_a_stop_work_and_say_what_is_missing(views):
+    failed = {index: text[-400:] for index, text in views.later_cells.items() if CELL_FAILED.search(text)}
+    assert failed == {}, failed
+    assert "the fit stopped after step" in views.later_cells[7], views.later_cells[7]
+    # readable ticks (0, 0.5, 1, ...), not the overlaid axis' ticks synced to the loss axis' (0.00055, 0.0015)
+    assert views.lr_ticks and all(re.fullmatch(r"\d+(\.\d)?", t) for t in views.lr_ticks), views.lr_ticks
 
 
 def test_views_console_stays_clean(views):

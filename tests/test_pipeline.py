@@ -96,7 +96,8 @@ def test_stepper_runs_tick_by_tick_to_the_same_result(cluster4, batch):
     assert state.tick == 1 and state.last_actions[0] == "0F0" and state.last_actions[3] is None
     state = stepper.next(3)
     assert state.tick == 4 and state.activations[0] == 2
-    assert any("0SEND_F1" in message for message in state.in_flight)
+    assert "rank 0 sends F1 → rank 1 receives it" in state.in_flight, state.in_flight  # words, not '0SEND_F1'
+    assert not any("SEND" in message or "RECV" in message for message in state.in_flight)
     loss = stepper.run()
     assert stepper.done and stepper.state().in_flight == []
     expected_loss, expected_grads = serial(batch)

@@ -737,6 +737,8 @@ def test_kernel_interrupts_leave_the_cluster_usable_and_fit_goes_on(kernel):
             assert "stopped after step" in stopped.stdout, (trial, stopped.shown)
             after = kernel.execute("print(tr.step, len(tr.history.records), c.run(lambda: 7))").stdout.split()
             assert int(after[0]) > before and int(after[1]) == int(after[0]), (trial, after)
+            # the last step's number, as the dashboard's label and the history name it (not the count of steps)
+            assert f"stopped after step {int(after[0]) - 1} " in stopped.stdout, (trial, after, stopped.stdout)
             assert "[7, 7]" in " ".join(after[2:]), (trial, after)
         goes_on = kernel.execute("%load_ext nbdist\nn = tr.step\n%dist_train tr --steps 2\nprint(tr.step - n)")
         assert goes_on.stdout.strip().endswith("2"), goes_on.shown

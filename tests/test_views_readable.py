@@ -76,3 +76,50 @@ def test_training_memory_axis_is_binary_and_empty_utilisation_says_why():
     assert all(label.endswith(("B", "MiB")) for label in fig.layout.yaxis5.ticktext), fig.layout.yaxis5.ticktext
     empty = training_figure(_records(3, 0.05), {})
     assert NO_SAMPLE in [a.text for a in empty.layout.annotations] and empty.layout.xaxis4.visible is False
+
+
+def test_training_utilisation_axis_starts_at_zero_and_the_legend_sits_under_the_rank_labels():
+    telemetry = {0: {"cpu_percent": 0.0, "rss_bytes": 3e8}, 1: {"cpu_percent": 0.0, "rss_bytes": 3e8}}
+    fig = training_figure(_records(3, 0.05), telemetry)
+    assert fig.layout.yaxis4.rangemode == "tozero"  # all-zero samples drew a -1..1 "%" axis
+    legend = fig.layout.legend  # the figure's foot, not 10 % of the plot below it (over the bars' rank labels)
+    assert legend.yref == "container" and legend.y == 0 and legend.yanchor == "bottom"
+
+
+def test_a_sample_right_after_another_repeats_its_cpu_share_instead_of_reading_zero():
+    import time
+
+    import torch
+
+    from nbdist.training.ranks.telemetry import MIN_CPU_INTERVAL, Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    busy_until = time.monotonic() + MIN_CPU_INTERVAL + 0.05
+    while time.monotonic() < busy_until:
+        pass
+    first = sampler.sample()["cpu_percent"]
+    again = sampler.sample()["cpu_percent"]  # a stop's forced publication, right after a periodic one
+    assert first > 10 and again == first, (first, again)
+
+
+def test_show_fits_the_width_it_is_given_and_wraps_side_by_side_titles():
+    import json
+
+    from plotly.subplots import make_subplots
+
+    from nbdist.viz.display import NARROW_PLOT_PX, TITLE_CHAR_PX, fitted
+
+    titles = ("training loss", "samples / s", "activations saved (MiB) per precision")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=titles)
+    fig.update_layout(width=900, title="a figure laid out for 900 px, with a title longer than a narrow figure")
+    figure = fitted(json.loads(fig.to_json()))
+    assert "width" not in figure["layout"] and figure["layout"]["autosize"] is True  # cut at 1000 px before
+    notes = figure["layout"]["annotations"]
+    assert [n["text"].replace("<br>", " ") for n in notes] == list(titles)  # the same words
+    share = fig.layout.xaxis.domain[1] - fig.layout.xaxis.domain[0]
+    longest = max(len(line) for n in notes for line in n["text"].split("<br>"))
+    assert longest * TITLE_CHAR_PX <= share * NARROW_PLOT_PX, [n["text"] for n in notes]
+    assert notes[0]["text"] == "training loss"  # a short title stays on one line
+    assert all(len(line) <= 60 for line in figure["layout"]["title"]["text"].split("<br>")), figure["layout"]["title"]
+    lines = max(n["text"].count("<br>") for n in notes)
+    assert lines and figure["layout"]["margin"]["t"] >= 100 + 20 * lines  # wrapped upwards, under the title

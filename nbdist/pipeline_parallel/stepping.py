@@ -35,7 +35,7 @@ class TickState:
     tick: int
     total_ticks: int
     last_actions: dict[int, str | None]  # rank -> the action it ran in the last tick (None: idle then)
-    in_flight: list[str]  # messages sent whose receive has not run yet, e.g. "0SEND_F3 -> 1RECV_F3"
+    in_flight: list[str]  # messages sent whose receive has not run yet, in words (message_in_words)
     activations: dict[int, int]  # rank -> micro-batches whose activations it holds
 
     def __str__(self) -> str:
@@ -62,8 +62,16 @@ def state_at(schedule, ticks: dict[int, list[int]], tick: int) -> TickState:
             elif a.kind in (RECV_F, RECV_B):
                 received.add(a.matching())
             held[rank] += a.activations_held
-    in_flight = [f"{s} -> {s.matching()}" for s in sorted(sent - received)]
+    in_flight = [message_in_words(s, schedule) for s in sorted(sent - received)]
     return TickState(tick, total_ticks(ticks), last_actions, in_flight, held)
+
+
+def message_in_words(send, schedule) -> str:
+    """A send and its receive as the view says them: 'rank 0 sends F2 → rank 1 receives it' (F2: micro-batch 2's
+    activation, as the timeline's bars name it; B2 its gradient), not the schedule's '0SEND_F2 -> 1RECV_F2'."""
+    what = f"{'F' if send.kind == SEND_F else 'B'}{send.microbatch}"
+    return (f"rank {schedule.rank_of(send.stage)} sends {what} → rank {schedule.rank_of(send.peer_stage())} "
+            "receives it")
 
 
 def total_ticks(ticks: dict[int, list[int]]) -> int:

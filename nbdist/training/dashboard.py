@@ -47,8 +47,9 @@ class Dashboard(WithStaticCopy):
         for published in ar.data:
             if isinstance(published, dict) and published.get("trainer") == self.trainer.id:
                 self.live.add(published["records"])
-                self.telemetry[published["rank"]] = {k: v for k, v in published.items()
-                                                     if k.endswith(("_percent", "_bytes"))}
+                sample = {k: v for k, v in published.items() if k.endswith(("_percent", "_bytes")) and v is not None}
+                if sample:  # a publication without a sample keeps the rank's latest one
+                    self.telemetry[published["rank"]] = sample
                 if self.steps_explained is not None:
                     self.steps_explained.add(published["rank"], published.get("pipeline_step"))
         if time.monotonic() - self.last_draw >= REDRAW_SECONDS:
@@ -67,6 +68,8 @@ class Dashboard(WithStaticCopy):
                 f"step {rows[-1]['step']} &nbsp; loss {rows[-1]['loss']:.4f} &nbsp; {rate:.1f} samples/s"
                 + (f" &nbsp; {rate * tokens:,.0f} tokens/s" if tokens else ""))
         self.plot.figure = self.figure_json()
+        if self.redraws == 2:  # the page has had half a second to make the view's model: it hears a push now
+            self.plot.push_plotly()
         self._draw_bubbles()
 
     def _draw_bubbles(self) -> None:

@@ -275,7 +275,8 @@ class Trainer:
         if said:  # the weights trained on finite losses: worth a line, not stopping the fit
             sys.stderr.write(f"warning: {said}\n")
         if self.stopped and not background:
-            print(f"stopped after step {self.step} (every rank at the same step boundary); fit() goes on from here")
+            print(f"stopped after step {self.step - 1} (every rank at the same step boundary); fit() goes on from step "
+                  f"{self.step}")
         return self.history.records
 
     def bubbles(self, step: int | None = None):

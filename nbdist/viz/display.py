@@ -98,11 +98,61 @@ def figure_html(fig, loader: bool | None = None) -> str:
     return (plotly_loader_html() if loader else "") + body
 
 
+NARROW_PLOT_PX = 400  # the plot area of a figure in JupyterLab at 1000 px with the file browser open (~560 px
+# for the output, less the margins): the width subplot titles are wrapped for
+TITLE_CHAR_PX = 8.0  # an average character of a 16 px title
+TITLE_LINE_PX = 20  # a line of a 16 px title
+TITLE_CHARS = 60  # a figure's title in one line of a 560 px output (17 px characters, the margins' width)
+
+
+def fitted(figure: dict) -> dict:
+    """A figure's JSON that takes the width it is given: no fixed width (a 700 or 900 px figure in a 560 px output
+    was cut, its last steps or ranks gone) and subplot titles wrapped to their subplot's width at the narrowest
+    (titles of side-by-side subplots ran into each other)."""
+    layout = {k: v for k, v in figure.get("layout", {}).items() if k != "width"}
+    domains = [v["domain"] for k, v in layout.items() if k.startswith("xaxis") and "domain" in v]
+    notes, added_lines = [], 0
+    for note in layout.get("annotations", []):
+        if _is_subplot_title(note) and "<br>" not in note["text"]:
+            share = min((d[1] - d[0] for d in domains if d[0] - 1e-9 <= note["x"] <= d[1] + 1e-9), default=1.0)
+            note = {**note, "text": wrap_title(note["text"], int(share * NARROW_PLOT_PX / TITLE_CHAR_PX))}
+            added_lines = max(added_lines, note["text"].count("<br>"))
+        notes.append(note)
+    if notes:
+        layout["annotations"] = notes
+    title = layout.get("title")
+    text = title.get("text") if isinstance(title, dict) else title
+    if isinstance(text, str) and "<br>" not in text and len(text) > TITLE_CHARS:  # ran off a narrow figure's edge
+        layout["title"] = {**(title if isinstance(title, dict) else {}), "text": wrap_title(text, TITLE_CHARS)}
+    if added_lines:  # the wrapped titles grow upwards: room for them under the figure's title
+        margin = layout.get("margin", {})
+        layout["margin"] = {**margin, "t": margin.get("t", 100) + TITLE_LINE_PX * added_lines}
+    return {**figure, "layout": {**layout, "autosize": True}}
+
+
+def _is_subplot_title(note: dict) -> bool:
+    return (note.get("xref") == "paper" and note.get("yref") == "paper" and note.get("yanchor") == "bottom"
+            and note.get("showarrow") is False and isinstance(note.get("text"), str) and "x" in note)
+
+
+def wrap_title(text: str, chars: int) -> str:
+    """`text` in lines of at most `chars` characters, broken at spaces (a longer word keeps its own line)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= max(chars, 1):
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "<br>".join(lines)
+
+
 def show(fig) -> None:
-    """Display `fig` as plotly JSON (for JupyterLab) and as HTML (for exported notebooks, offline included)."""
+    """Display `fig` as plotly JSON (for JupyterLab) and as HTML (for exported notebooks, offline included), each
+    fitted to the width it is shown in (`fitted`)."""
+    figure = fitted(json.loads(fig.to_json()))
     bundle = {
-        "application/vnd.plotly.v1+json": fig.to_plotly_json(),
-        "text/html": figure_html(fig),
+        "application/vnd.plotly.v1+json": figure,
+        "text/html": figure_html(figure),
         "text/plain": f"<plotly figure: {fig.layout.title.text or 'untitled'}>",
     }
     display(bundle, raw=True)

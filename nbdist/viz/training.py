@@ -17,7 +17,8 @@ from nbdist.viz.axes import byte_axis
 
 SPLIT = {"compute_s": ("compute", "#4C78A8"), "comm_s": ("communication", "#F58518"), "idle_s": ("idle", "#BAB0AC")}
 RECENT_STEPS = 20  # the split bars show the newest steps (what the run does now, not its warm-up)
-SPLIT_TITLE = f"each rank's step time: mean of the last {RECENT_STEPS} steps"
+SPLIT_TITLE = f"each rank's step time<br>(mean of the last {RECENT_STEPS} steps)"  # two short lines: side by side
+# with the next panel's title at 1000 px (JupyterLab with its file browser open), one line ran into it
 NO_SAMPLE = "no utilisation sample yet:<br>the ranks send one every<br>half second while they train"
 
 
@@ -85,8 +86,8 @@ def _on_gpu(telemetry: Mapping[int, Mapping]) -> bool:
 
 def training_figure(records: Sequence[Mapping], telemetry: Mapping[int, Mapping] | None = None,
                     title: str | None = None, subtitle: str | None = None) -> go.Figure:
-    fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.12, vertical_spacing=0.18, subplot_titles=(
-        "loss", "samples / s", SPLIT_TITLE, "each rank: utilisation, memory"),
+    fig = make_subplots(rows=2, cols=2, horizontal_spacing=0.12, vertical_spacing=0.25, subplot_titles=(
+        "loss", "samples / s", SPLIT_TITLE, "each rank:<br>utilisation, memory"),
         specs=[[{}, {}], [{}, {"secondary_y": True}]])
     values = iter(trace_values(records, telemetry))
     fig.add_trace(go.Scatter(**next(values), name="train loss", mode="lines", line={"color": "#4C78A8"}), 1, 1)
@@ -102,11 +103,14 @@ def training_figure(records: Sequence[Mapping], telemetry: Mapping[int, Mapping]
                          marker={"color": "#72B7B2"}), 2, 2, secondary_y=False)
     fig.add_trace(go.Bar(**next(values), name="GPU memory" if gpu else "resident memory", offsetgroup="held",
                          marker={"color": "#B279A2"}), 2, 2, secondary_y=True)
-    fig.update_yaxes(title_text="%", row=2, col=2, secondary_y=False)
+    fig.update_yaxes(title_text="%", row=2, col=2, secondary_y=False, rangemode="tozero")
     fig.update_yaxes(title_text="memory", row=2, col=2, secondary_y=True, **memory_axis(telemetry))
-    fig.update_layout(title={"text": title, "subtitle": {"text": subtitle}}, height=600, barmode="stack",
+    fig.update_layout(title={"text": title, "subtitle": {"text": subtitle}}, height=640, barmode="stack",
                       margin={"l": 60, "r": 70, "t": 90, "b": 90},
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.1, "x": 0})
+                      legend={"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0, "x": 0})
+    # the legend at the figure's foot, under the margin the bar charts' rank labels take: placed in the plot's
+    # coordinates (y -0.1) it moved with the plot's height and covered those labels at 1600 px
+    fig.update_annotations(font={"size": 14})  # the panels' titles
     for note in utilisation_note(telemetry):
         fig.add_annotation(**{k: v for k, v in note.items() if k != "name"}, name=note["name"])
     fig.update_layout(utilisation_axes(telemetry))

@@ -18,25 +18,32 @@ import traitlets
 _ESM = r"""
 const KEY = "__nbdistPlotly";
 
+// plotly.js as the kernel sends it: asked for by a view (below), or pushed unasked by a view first drawn while its
+// cell runs (a fit's dashboard), which the busy kernel could answer only when the cell ended.
+function install(message, buffers) {
+  if (!message || message.type !== "plotly.js" || !buffers || !buffers.length) return;
+  if (!window.Plotly) {
+    const source = new TextDecoder().decode(buffers[0]);
+    const script = document.createElement("script");
+    // hide a page's AMD loader (require.js) so the bundle sets window.Plotly
+    script.textContent = "(function (define, exports, module) {\n" + source + "\n}).call(window);";
+    document.head.appendChild(script);
+    script.remove();
+  }
+  if (window[KEY + "Loaded"]) window[KEY + "Loaded"](window.Plotly);
+}
+
 function loadPlotly(model) {
   if (window.Plotly) return Promise.resolve(window.Plotly);
   if (!window[KEY]) {
     window[KEY] = new Promise((resolve, reject) => {
       const timer = setTimeout(() => { delete window[KEY]; reject(new Error("nbdist: no plotly.js from the kernel")); },
-                               60000);
-      const onMessage = (message, buffers) => {
-        if (!message || message.type !== "plotly.js" || !buffers || !buffers.length) return;
-        model.off("msg:custom", onMessage);
+                               600000);
+      window[KEY + "Loaded"] = Plotly => {
         clearTimeout(timer);
-        const source = new TextDecoder().decode(buffers[0]);
-        const script = document.createElement("script");
-        // hide a page's AMD loader (require.js) so the bundle sets window.Plotly
-        script.textContent = "(function (define, exports, module) {\n" + source + "\n}).call(window);";
-        document.head.appendChild(script);
-        script.remove();
-        window.Plotly ? resolve(window.Plotly) : reject(new Error("nbdist: plotly.js did not load"));
+        delete window[KEY + "Loaded"];
+        Plotly ? resolve(Plotly) : reject(new Error("nbdist: plotly.js did not load"));
       };
-      model.on("msg:custom", onMessage);
       model.send({ type: "plotly.js?" });
     });
   }
@@ -53,6 +60,9 @@ function fitted(layout, width) {
 }
 
 export default {
+  initialize({ model }) {
+    model.on("msg:custom", install);  // before any view: a pushed bundle is not lost while the view loads
+  },
   async render({ model, el }) {
     const plot = document.createElement("div");
     plot.className = "nbdist-plot";
@@ -91,6 +101,7 @@ class PlotlyFigure(anywidget.AnyWidget):
 
     _esm = _ESM
     figure = traitlets.Dict().tag(sync=True)
+    _pushed = False  # whether this kernel has pushed plotly.js to the page (push_plotly)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -100,9 +111,20 @@ class PlotlyFigure(anywidget.AnyWidget):
         """Draw `fig` (plotly's JSON encoder: numpy arrays and dates become plain JSON)."""
         self.figure = json.loads(fig.to_json())
 
+    def push_plotly(self) -> None:
+        """Send plotly.js to the page unasked, once per kernel. A view first shown while its cell runs (the first
+        fit's dashboard in a fresh kernel) asks for it in a message the busy kernel reads only when the cell ends:
+        until then the page had no plotly.js, and the dashboard drew only its progress bar."""
+        if not PlotlyFigure._pushed:
+            PlotlyFigure._pushed = True
+            self._send_plotly()
+
     def _answer(self, _widget, content, _buffers) -> None:
         """The page has no plotly.js: send the bundle that plotly (the Python package) ships, once per page."""
         if isinstance(content, dict) and content.get("type") == "plotly.js?":
-            from plotly.offline import get_plotlyjs
+            self._send_plotly()
 
-            self.send({"type": "plotly.js"}, buffers=[get_plotlyjs().encode()])
+    def _send_plotly(self) -> None:
+        from plotly.offline import get_plotlyjs
+
+        self.send({"type": "plotly.js"}, buffers=[get_plotlyjs().encode()])

@@ -14,17 +14,29 @@ import psutil
 import torch
 
 
+MIN_CPU_INTERVAL = 0.25  # seconds: psutil's CPU share over a shorter interval reads 0 or noise, and a stop's forced
+# publication can come right after a periodic one (after a stop the dashboard drew no bars, on a -1..1 "%" axis)
+
+
 class Sampler:
     def __init__(self, device: torch.device):
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # the first call only starts the interval
+        self.cpu_since, self.cpu_percent = time.monotonic(), None
         self.nvml = _nvml_handle(device) if device.type == "cuda" else None
 
     def sample(self) -> dict:
-        out = {"cpu_percent": self.process.cpu_percent(None), "rss_bytes": self.process.memory_info().rss}
+        out = {"cpu_percent": self._cpu_percent(), "rss_bytes": self.process.memory_info().rss}
         if self.nvml is not None:
             out.update(gpu_figures(self.nvml))
         return out
+
+    def _cpu_percent(self) -> float | None:
+        """The process's CPU share since the last sample; within MIN_CPU_INTERVAL of it, that sample's share."""
+        now = time.monotonic()
+        if self.cpu_percent is None or now - self.cpu_since >= MIN_CPU_INTERVAL:
+            self.cpu_since, self.cpu_percent = now, self.process.cpu_percent(None)
+        return self.cpu_percent
 
 
 def gpu_figures(handle) -> dict:
