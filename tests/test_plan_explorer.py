@@ -272,6 +272,10 @@ def test_profile_fills_every_layers_times_and_the_predicted_step(cluster):
     view.choose(microbatches=2)
     view.choose(microbatches=1)
     assert view.step.total_s == first and view.plan.layers[0].forward_s == plan.layers[0].forward_s
+    view.profile_button.click()  # measured afresh: the view says how far that moved the same plan's prediction
+    moved = re.search(r"predicted step moved ([+-][0-9.]+)%", view.status.value)
+    assert moved, view.status.value
+    assert float(moved.group(1)) == pytest.approx(100 * (view.step.total_s - first) / first, abs=0.051)
 
 
 def test_apply_builds_the_plan_and_its_step_trains(cluster):

@@ -100,6 +100,7 @@ class PlanExplorer(Controls, WithStaticCopy):
         self.applied_plan = None
         self.step: StepTime | None = None
         self._overheads: dict[tuple, object] = {}  # a plan's shape -> the library overheads measured for it once
+        self._before_profile: tuple[str, float] | None = None  # (plan, predicted step) before the last Profile
         self._note = ""
         self._figures: list = []
         self._static_handle = None
@@ -210,6 +211,7 @@ class PlanExplorer(Controls, WithStaticCopy):
     def profile(self) -> "PlanExplorer":
         """Time the layers on rank 0 (Plan.profile); later plans reuse the times (see the module docstring)."""
         self._note = ""
+        self._before_profile = (self.plan.describe(), self.step.total_s) if self.step is not None else None
         self._overheads = {}  # measured afresh with the layers: every later plan predicts from this profile
         self.origin = self.plan.profile()
         self._replan()
@@ -310,6 +312,10 @@ class PlanExplorer(Controls, WithStaticCopy):
         elif self.refusal is None:
             lines.append("step time: not predicted yet: press <i>Profile on the engines</i> (times every layer on "
                          "rank 0)")
+        before = self._before_profile
+        if before is not None and self.step is not None and before[0] == plan.describe():
+            lines.append(f'<span class="nbdist-plan-noise">{html.escape(noise_note(before[1], self.step.total_s))}'
+                         "</span>")
         if self._note:
             lines.append(f'<span class="nbdist-plan-note">{html.escape(self._note)}</span>')
         return '<div class="nbdist-plan-explorer">' + "<br>".join(lines) + "</div>"
@@ -359,6 +365,14 @@ def _engines_problem(plan, error: Exception) -> str:
     """The one line the view shows when the engines could not answer: a stopped cluster said as such, else the
     error itself."""
     return STOPPED if not plan.cluster.running else f"{type(error).__name__}: {error}"
+
+
+def noise_note(before_s: float, after_s: float) -> str:
+    """What profiling the same plan again did to its prediction: the size of the profile's own noise, which a
+    difference between two plans must exceed to mean anything."""
+    change = (after_s - before_s) / before_s
+    return (f"profiled again: this plan's predicted step moved {change:+.1%} ({_ms(before_s)} -> {_ms(after_s)}), the "
+            "profile's own noise: two plans that differ by less than that are not told apart")
 
 
 def _counts_text(plan) -> str:
