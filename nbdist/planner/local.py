@@ -55,10 +55,11 @@ def measure(cluster) -> Hardware:
     from nbdist.sharding import core_shares
 
     gpus = all(device.startswith("cuda") for device in cluster.devices)
-    first = core_shares.share_now(cluster)
-    measured = {"matmul_flops": _matmul_flops(cluster, gpus), "stream_bandwidth": _stream_bandwidth(cluster, gpus),
-                "engines": cluster.world_size}
-    cores = core_shares.measured(cluster, first, core_shares.share_now(cluster))
+    shares = [core_shares.share_now(cluster)]
+    measured = {"matmul_flops": _matmul_flops(cluster, gpus)}
+    shares.append(core_shares.share_now(cluster))
+    measured.update(stream_bandwidth=_stream_bandwidth(cluster, gpus), engines=cluster.world_size)
+    cores = core_shares.measured(cluster, [*shares, core_shares.share_now(cluster)])
     if cores is not None:  # the probes' core seconds, at the share of a core each engine gets now
         measured.update(matmul_flops=measured["matmul_flops"] * cores.share,
                         stream_bandwidth=measured["stream_bandwidth"] * cores.share,

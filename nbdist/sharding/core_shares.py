@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 
 from nbdist.measured import CoreShare, machine_load
 from nbdist.sharding.ranks import timing
@@ -29,13 +30,12 @@ def share_now(cluster) -> float | None:
     return min(cluster.run(timing.core_share)) if on_cpu(cluster) else None
 
 
-def measured(cluster, first: float | None, last: float | None) -> CoreShare | None:
-    """The share at a profile's start and end together (their mean slowdown: a classroom's load moves within
-    seconds), with the load beside it."""
-    if first is None or last is None:
+def measured(cluster, shares: list[float | None]) -> CoreShare | None:
+    """The median of shares measured through a profile (its start, middle and end: a classroom's load moves within
+    seconds, and one window can fall on another process's burst), with the load beside it."""
+    if not shares or any(s is None for s in shares):
         return None
-    share = 2 / (1 / max(first, 1e-3) + 1 / max(last, 1e-3))
-    return CoreShare(share, ranks_here(cluster), machine_load())
+    return CoreShare(max(statistics.median(shares), 1e-3), ranks_here(cluster), machine_load())
 
 
 def contention(cluster, cores: CoreShare | None) -> float:

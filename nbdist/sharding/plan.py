@@ -143,18 +143,18 @@ class Plan:
                                       schedule=self.schedule, batch=self.batch, optimizer=self.optimizer_kind)
 
     def profile(self, repeats: int = 5) -> "Plan":
-        """Time every layer's forward and backward on rank 0 (the engines' device, on CPU in core seconds) at this
-        plan's micro-batch size, and the share of a core each rank gets now with every rank busy (`cores`, other
-        work counted); the step-time prediction needs both. Returns the plan."""
+        """Time every layer on rank 0 (on CPU in core seconds) at this plan's micro-batch size, and the share of a
+        core each rank gets now with every rank busy (`cores`, other work counted). Returns the plan."""
         whole_number(repeats, "repeats")
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         times = self.cluster.run(timing.model_layer_times, portable(self.model_fn), size, repeats,
                                  example=self.example, units=None if self.flat else self.units, ranks=[0])[0]
         self.layers = with_times(self.layers, times)
-        first = core_shares.share_now(self.cluster)
+        shares = [core_shares.share_now(self.cluster)]
         self.links = self._measure_links(fresh=True)  # the load now, not a cached plan's
+        shares.append(core_shares.share_now(self.cluster))
         self.overheads = self._measure_overheads()
-        self.cores = core_shares.measured(self.cluster, first, core_shares.share_now(self.cluster))
+        self.cores = core_shares.measured(self.cluster, [*shares, core_shares.share_now(self.cluster)])
         return self
 
     def _measure_links(self, fresh: bool = False) -> dict:
