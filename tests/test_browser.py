@@ -727,7 +727,7 @@ def _stop_the_fit(notebook: LabNotebook, output, run: ViewsRun) -> None:
     run.dashboard["seconds_to_first_draw"] = round(time.monotonic() - pressed, 1)
     running = "*" in notebook.prompt(FIT_CELL)  # (the server's kernel state reads idle between widget messages)
     run.dashboard["live"] = {"drawn_while_running": bool(drawn) and running, **_dashboard_seen(output)}
-    time.sleep(2.0)  # a few redraws, then the stop button
+    time.sleep(1.0)  # a redraw or two, then the stop button
     stop = notebook.page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) [data-command="notebook:interrupt-kernel"]')
     if stop.count():
         stop.first.click()
