@@ -153,7 +153,8 @@ class Plan:
         shares = [core_shares.share_now(self.cluster)]
         self.links = self._measure_links(fresh=True)  # the load now, not a cached plan's
         shares.append(core_shares.share_now(self.cluster))
-        self.overheads = self._measure_overheads()
+        self.cores = core_shares.measured(self.cluster, shares)
+        self.overheads = self._measure_overheads()  # less its collectives as a rank alone (the share so far)
         self.cores = core_shares.measured(self.cluster, [*shares, core_shares.share_now(self.cluster)])
         return self
 
@@ -217,7 +218,7 @@ class Plan:
         size = micro_batch_size(self.batch, self.dp, self.microbatches)
         link = self.links.get("tp") or default_alpha_beta()
         reduces = [sum(link.ring(entry[i] * size, self.tp) for entry in layer.tp_allreduce_bytes_per_sample
-                       if entry[i]) for i in (0, 1)]
+                       if entry[i]) / self.contention() for i in (0, 1)]  # as a rank alone takes them
         added = _slowest_added(costs, "tp_layer", "dtensor", "split")
         return tuple(max(0.0, added[i] - reduces[i]) / linears for i in (0, 1))
 
@@ -232,6 +233,7 @@ class Plan:
         layer = self.layers[costs[0]["fsdp_layer"]["index"]]
         link = self.links.get("dp") or default_alpha_beta()
         moved = link.gather(sum(p.numel(self.tp) for p in layer.tensors) * 4, self.dp)
+        moved /= self.contention()  # as a rank alone takes them: the unit's time is in core seconds
         priced = (moved, moved * (2 if self.zero == 3 else 1))  # backward: gathered again (ZeRO-3), then reduced
         added = _slowest_added(costs, "fsdp_layer", "sharded", "plain")
         return tuple(max(0.0, added[i] - priced[i]) for i in (0, 1))
@@ -244,10 +246,8 @@ class Plan:
         if any(layer.forward_s is None for layer in self.layers) or self.overheads is None:
             self.profile()
         slower = self.contention()
-        # the libraries' costs and the tp all-reduces (in each F and B) were measured with every rank busy: per
-        # rank alone, as the layers were timed; the schedule shares the cores again (step_time.sharing_the_cores)
-        alone = replace(self.overheads, tp_linear=tuple(t / slower for t in self.overheads.tp_linear),
-                        fsdp_unit=tuple(t / slower for t in self.overheads.fsdp_unit))
+        # the libraries' costs are core seconds (as the layers); the tp all-reduces (in each F and B) were measured
+        # with every rank busy: per rank alone; the schedule shares the cores again (step_time.sharing_the_cores)
         wanted = {d for d, n in (("dp", self.dp), ("tp", self.tp)) if n > 1}
         if alpha_beta is None and not wanted <= set(self.links):  # a plan made by changed(): from the cache
             self.links = self._measure_links()
@@ -256,7 +256,7 @@ class Plan:
             links["tp"] = replace(links["tp"], alpha=links["tp"].alpha / slower, beta=links["tp"].beta / slower)
         step = predict_step_seconds(self.layers, dp=self.dp, pp=self.pp, tp=self.tp, zero=self.zero,
                                     boundaries=self.boundaries, microbatches=self.microbatches, schedule=self.schedule,
-                                    batch=self.batch, alpha_beta=alpha_beta, overheads=alone, links=links,
+                                    batch=self.batch, alpha_beta=alpha_beta, overheads=self.overheads, links=links,
                                     contention=slower, others=self.cores.others_fraction if self.cores else 0.0)
         return replace(step, assumes=self.cores)
 

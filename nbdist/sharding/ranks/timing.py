@@ -228,7 +228,7 @@ def mechanism_costs(mesh: str, tp: int, zero_stage: int, optimizer: str, repeats
         for i in range(repeats + 2):
             dist.barrier()
             x_in = x.detach().requires_grad_(x.is_floating_point())
-            watch = placement.stopwatch()
+            watch = stopwatch()  # on CPU in core seconds: a difference of two timings, not of two waits for a core
             t0 = watch.mark()
             y = model(x_in)
             t1 = watch.mark()
