@@ -9,13 +9,15 @@
 #                               process
 # `scripts/test.sh fast ARGS...` passes ARGS on too; so does the whole suite for ARGS that only ask for durations.
 #
-# The whole suite runs in two streams, then the rest. The tests of other hosts (network-namespace hosts with sshd and
-# Slurm daemons) spend most of their time waiting: for a host to be named lost, a node to be set DOWN, a lifeline to
-# time out. They run beside the tests that check results, not times (parallel equals serial, torch's own distributed
-# tests, the planner's tables, bad inputs), which keep the cores busy; everything that times something or watches the
-# whole machine (notebooks, the browser, the classroom, the labs' measurements) runs after, alone. Measured on 2 cores
-# with other work running: the two streams side by side 367 s, both passing, against 181 + 267 s one after the other
-# in the whole suite before.
+# The whole suite runs in two streams side by side, then the rest. The tests of other hosts (network-namespace hosts
+# with sshd and Slurm daemons) spend most of their time waiting: for a host to be named lost, a node to be set DOWN, a
+# lifeline to time out. They run beside the tests that check results, not times (parallel equals serial, torch's own
+# distributed tests, the planner's tables, bad inputs, the Binder environment's quick start), which keep the cores
+# busy; after them in the same stream come the fast unit tests of every other file, then the classroom (three
+# learners' servers under a JupyterHub: privacy probes and culling, its alone-beside-others ratio only printed).
+# Everything that times something or watches the whole machine (notebooks, the browser, the labs' measurements) runs
+# after, alone. Measured on 2 cores with other work running: the two streams side by side 367 s, both passing, against
+# 181 + 267 s one after the other in the whole suite before.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 if [ "${1:-}" = fast ]; then
     shift
@@ -30,20 +32,28 @@ RESULTS=(tests/test_torch_distributed.py tests/test_sharding.py tests/test_user_
          tests/test_user_models_training.py tests/test_cluster_planner.py tests/test_collective_algorithms.py
          tests/test_pipeline_gpu_rules.py tests/test_bad_inputs.py tests/test_pipeline.py
          tests/test_trainer_bad_inputs.py tests/test_pipeline_fifo.py tests/test_pipeline_mesh.py
-         tests/test_bad_inputs_user_models.py tests/test_bad_inputs_sharding.py)
+         tests/test_bad_inputs_user_models.py tests/test_bad_inputs_sharding.py tests/test_binder.py)
+BESIDE=(tests/test_classroom.py)  # after the hosts, in their stream
+IGNORED=()
+for file in "${HOSTS[@]}" "${RESULTS[@]}" "${BESIDE[@]}"; do IGNORED+=("--ignore=$file"); done
 mkdir -p out
 HOSTS_LOG=out/tests-hosts.log
-echo "== 1 of 3 (beside 2): the tests of other hosts; their output follows stream 2's (also in $HOSTS_LOG)"
-python -m pytest -q "${HOSTS[@]}" "$@" >"$HOSTS_LOG" 2>&1 &
+echo "== 1 of 3 (beside 2): the tests of other hosts, the fast unit tests, the classroom; their output follows" \
+     "stream 2's (also in $HOSTS_LOG)"
+(
+    beside=0
+    python -m pytest -q "${HOSTS[@]}" "$@" || beside=$?
+    python -m pytest -q tests -m fast "${IGNORED[@]}" "$@" || beside=$?
+    python -m pytest -q "${BESIDE[@]}" "$@" || beside=$?
+    exit $beside
+) >"$HOSTS_LOG" 2>&1 &
 hosts_pid=$!
 echo "== 2 of 3: the tests that check results, not times, beside the tests of other hosts"
 status=0
 python -m pytest -q "${RESULTS[@]}" "$@" || status=$?
 wait "$hosts_pid" || status=$?
-echo "== 1 of 3: the tests of other hosts"
+echo "== 1 of 3: the tests of other hosts, the fast unit tests, the classroom"
 cat "$HOSTS_LOG"
-IGNORED=()
-for file in "${HOSTS[@]}" "${RESULTS[@]}"; do IGNORED+=("--ignore=$file"); done
 echo "== 3 of 3: everything else, alone on the machine"
-python -m pytest -q tests "${IGNORED[@]}" "$@" || status=$?
+python -m pytest -q tests -m "not fast" "${IGNORED[@]}" "$@" || status=$?
 exit $status

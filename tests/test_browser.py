@@ -560,7 +560,7 @@ def test_planner_widget_comes_back_and_plans_context_parallelism(planner_trial):
     assert back.step == pytest.approx(planner_trial.states[1].step, rel=1e-9) and not back.refusal
     expected = _predicted(recompute="selective", cp=2, gpus=2 * 1536)
     assert context.step == pytest.approx(expected.step_seconds, rel=1e-5), context
-    assert "3072 GPUs = t 8 × c 2 × p 8 × d 24" in context.status
+    assert "3,072 GPUs = t 8 × c 2 × p 8 × d 24" in context.status
 
 
 def test_planner_widget_figures_fit_read_and_keep_their_colours(planner_trial):

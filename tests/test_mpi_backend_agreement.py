@@ -179,11 +179,16 @@ def test_all_gather_coalesced_gathers_every_tensor_of_every_rank(cluster):
 
 
 def _one_rank_elsewhere() -> str:
-    """Ranks 0, 1, 3 all-reduce on a group of all four whose timeout is 3 s; rank 2 waits instead in a receive from
-    rank 1 (which rank 1 sends once its all-reduce has timed out). What rank 0's timeout says. A barrier first: on a
-    loaded machine a rank still making the group when rank 0's clock ran out was named as waiting there instead. The
-    roll call listens 10 s here, not 1: what is checked is who it names, and two busy processes beside four ranks on
-    2 cores can keep a waiting rank from answering for over a second (it listens only until all have answered)."""
+    """Ranks 0, 1, 3 all-reduce on a group of all four whose timeout is 3 s on rank 0 (6 s on the others); rank 2
+    waits instead in a receive from rank 1 (which rank 1 sends once its all-reduce has timed out). What rank 0's
+    timeout says. Made robust to load three ways, what is asserted unchanged: rank 0 starts its clock only once
+    each other rank has sent it word that it has made the group (a point-to-point message after new_group
+    returns: under load a rank was still in a collective of the world group, new_group's broadcast or a barrier's
+    all-reduce, seconds after the others had left it, and was named there, rightly); the others wait longer than
+    rank 0, so they are still in the call when its roll call asks (with one timeout for all, one that timed out
+    first could have asked, raised and left); and rank 0's roll call listens 10 s, not 1 (it stops once all have
+    answered; the others', whose words are not checked, 0.5 s): two busy processes beside four ranks on 2 cores
+    kept a waiting rank from answering for over a second."""
     import datetime
 
     import torch
@@ -193,10 +198,15 @@ def _one_rank_elsewhere() -> str:
     from nbdist.cluster.meshes.ranks import groups
     from nbdist.runtime.ranks import registry
 
-    listen, roll_call.LISTEN_SECONDS = roll_call.LISTEN_SECONDS, 10.0
+    listen, roll_call.LISTEN_SECONDS = roll_call.LISTEN_SECONDS, 10.0 if dist.get_rank() == 0 else 0.5
+    timeout = datetime.timedelta(seconds=3 if dist.get_rank() == 0 else 6)
     short = registry.get_or_make("group", "test-roll-call", lambda: groups.Held(
-        "test roll call", (0, 1, 2, 3), dist.new_group([0, 1, 2, 3], timeout=datetime.timedelta(seconds=3)))).handle
-    dist.barrier()
+        "test roll call", (0, 1, 2, 3), dist.new_group([0, 1, 2, 3], timeout=timeout))).handle
+    if dist.get_rank() == 0:
+        for other in (1, 2, 3):
+            dist.recv(torch.zeros(1), src=other)
+    else:
+        dist.send(torch.ones(1), dst=0)
     said = ""
     if dist.get_rank() == 2:
         dist.recv(torch.zeros(1), src=1)

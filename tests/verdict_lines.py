@@ -1,37 +1,31 @@
-"""The labs whose printed verdicts read timings, run beside two busy processes: no verdict contradicts its numbers.
+"""Reading a lab's printed verdicts back: the labs whose verdicts read timings are run beside two busy processes
+(tests/test_notebooks.py, the one run of each lab), and no printed verdict may contradict its numbers.
 
 A class runs the labs on a shared, loaded machine, where timings stretch and orders flip. So a lab says nothing
 about a timing in its markdown; it prints each verdict from its run ("this run: ..." lines, made by
-nbdist/measured.py from repeats, with the load line after them), and this test reads those lines back from the
-executed notebook and checks each against the numbers printed in it, with its own parser (not measured.py's code):
+nbdist/measured.py from repeats, with the load line after them), and the test reads those lines back from the
+executed notebook and checks each against the numbers printed in it, with this parser (not measured.py's code):
 
 - "A was faster than B in every repeat: A m (median of k, lo-hi), B ...": every repeat of A below every one of B;
 - "A and B overlap: neither was ...": the printed spreads do overlap;
 - "...; B's median is d above A's (r x)": B is the one with the higher median, d and r are its difference and ratio;
 - "from highest to lowest: a 3; b 2; ...": the values are in that order.
 
-Which labs, and why only these (the whole suite is at its time limit, so each lab here runs once more, as it is,
-beside the load: together about 4 minutes on 2 cores): the three whose verdicts flipped under load before they were
-printed from the run, and whose lines compare the most timings: 42 (all-reduce times through gloo, nbdist's MPI
-backend and MPI directly; nbdist's DDP, ZeRO-3 and pipeline steps against torch's own), 35 (throughput, idle time
-and loss of four synchronisation strategies, balanced, with a straggler and with hiccups) and 10 (schedules against
-1F1B, and the learner's stage split against the bad one, whose old `assert faster` failed under load). Labs 20, 30
-and 38 print the same kinds of lines (DDP hooks, bucket caps, compression; a slow pipeline stage) and 41 its α and
-1/β within and across hosts; they run quiet in tests/test_notebooks.py. Lab 36 reads no timing in a sentence; 37 prints its
-fit's verdicts with how many cores other programs kept busy during each measurement.
+Which labs run loaded (`UNDER_LOAD`), and why only these (the suite is at its time limit: each runs once, loaded
+instead of quiet): the three whose verdicts flipped under load before they were printed from the run, and whose
+lines compare the most timings: 42 (all-reduce times through gloo, nbdist's MPI backend and MPI directly; nbdist's
+DDP, ZeRO-3 and pipeline steps against torch's own), 35 (throughput, idle time and loss of four synchronisation
+strategies, balanced, with a straggler and with hiccups) and 10 (schedules against 1F1B, and the learner's stage
+split against the bad one, whose old `assert faster` failed under load). Every other lab's verdicts are checked the
+same way on its quiet run.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-from nbdist.measured import Repeats, compared, order, ranking, this_run
-
-REPO = Path(__file__).resolve().parent.parent
 UNDER_LOAD = ("10_pipeline_lab.ipynb", "35_sync_vs_async.ipynb", "42_backends_and_frameworks.ipynb")
 BUSY = 2  # processes spinning beside the lab: on 2 cores with a lab's 2-4 engines, the load of a shared classroom
 
@@ -117,58 +111,28 @@ def printed_lines(nb) -> list[str]:
             if output.get("output_type") == "stream" for line in output.get("text", "").splitlines()]
 
 
-# -- the parser itself, on lines measured.py makes (fast) --------------------------------------------------------------
+@contextlib.contextmanager
+def busy_cores(name: str):
+    """For a lab in UNDER_LOAD: BUSY processes spinning while it runs (a shared classroom machine's background);
+    yields the spinners (none for other labs)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY)] \
+        if name in UNDER_LOAD else []
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
-def test_the_parser_accepts_what_measured_prints_and_catches_a_swapped_verdict():
-    fast, slow = Repeats((22.0, 29.0, 99.0), "µs"), Repeats((414.0, 471.0, 474.0), "µs")
-    lines = this_run(compared(fast, slow, "MPI directly", "the backend, at 1 KiB"),
-                     compared(slow, Repeats((300.0, 500.0, 450.0), "µs"), "a", "b"),
-                     order(Repeats((2.0, 2.5, 1.9), "x"), Repeats((4.9,), "x"), "16 MiB", "1 KiB", "smaller"),
-                     ranking({"SSP, s=2": 2900.0, "all-reduce": 3100.0, "EASGD": 2000.0}, "samples/s")).splitlines()
-    assert [contradictions(line) for line in lines] == [[], [], [], [], []]
-    assert lines[0].endswith("the backend, at 1 KiB's median is 442 µs above MPI directly's (16.2x)")
-    swapped = lines[0].replace("MPI directly was faster than the backend, at 1 KiB",
-                               "the backend, at 1 KiB was faster than MPI directly")
-    assert swapped != lines[0] and any("not below" in c for c in contradictions(swapped.replace(
-        "every repeat: MPI directly 29 µs (median of 3, 22-99), the backend, at 1 KiB 471 µs (median of 3, 414-474)",
-        "every repeat: the backend, at 1 KiB 471 µs (median of 3, 414-474), MPI directly 29 µs (median of 3, 22-99)")))
-    assert any("do not" in c for c in contradictions(lines[1].replace("(median of 3, 300-500)",
-                                                                      "(median of 3, 480-500)").replace(
-        "a was faster than b in every repeat", "a and b overlap: neither was faster in every repeat")))
-    assert any("apart" in c for c in contradictions(lines[0].replace("442 µs above", "42 µs above")))
-    assert any("not their order" in c for c in contradictions(lines[3].replace("all-reduce 3,100", "all-reduce 1,100")))
-
-
-# -- the labs, beside two busy processes -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def busy_cores():
-    """Two processes that spin for the whole module: a shared classroom machine's background."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY)]
-    yield spinners
-    for spinner in spinners:
-        spinner.kill()
-        spinner.wait()
-
-
-@pytest.mark.parametrize("name", UNDER_LOAD)
-def test_no_printed_verdict_contradicts_its_numbers_under_load(name, busy_cores):
-    import nbformat  # Jupyter's libraries where they are used: the fast tests collect this module without them
-    from nbclient import NotebookClient
-
-    path = REPO / "notebooks" / name
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    assert all(spinner.poll() is None for spinner in busy_cores), "a busy process ended before the lab did"
-    errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.output_type == "error"]
-    assert not errors, errors
+def check_verdicts(name: str, nb) -> None:
+    """Every printed verdict group of an executed lab ends with its load line, and none contradicts its numbers;
+    a lab run loaded must print verdicts."""
     lines = printed_lines(nb)
     verdicts = [i for i, line in enumerate(lines) if line.startswith("this run: ")]
-    assert verdicts, f"{name} printed no verdict ('this run: ...')"
+    assert verdicts or name not in UNDER_LOAD, f"{name} printed no verdict ('this run: ...')"
     for i in verdicts:  # each group of verdicts ends with the load it ran under
-        following = next(line for line in lines[i:] if not line.startswith("this run: "))
-        assert following.startswith("machine: load "), (lines[i], following)
+        following = next((line for line in lines[i:] if not line.startswith("this run: ")), "")
+        assert following.startswith("machine: load "), (name, lines[i], following)
     wrong = {lines[i]: contradictions(lines[i]) for i in verdicts if contradictions(lines[i])}
-    assert not wrong, wrong
+    assert not wrong, (name, wrong)
