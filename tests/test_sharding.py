@@ -352,10 +352,13 @@ def test_profile_measures_each_dimensions_link_and_the_prediction_prices_its_col
     assert set(plan.links) == {"dp", "tp"}
     tp = plan.links["tp"]
     assert tp.ranks == 2 and tp.alpha > 0 and tp.beta > 0
-    # the fit reproduces what it was fitted to: a 2-rank ring of the per-message costs, within the points' noise
-    mesh = cluster4.mesh(dp=2, tp=2)
-    again = max(t[0] for t in cluster4.run(timing.group_all_reduce_seconds, mesh.name, "tp", [1 << 18]))
-    assert tp.ring(1 << 18, 2) == pytest.approx(again, rel=1.0)
+    # the fit reproduces what it was fitted to: a 2-rank ring of the per-message costs, within the points' noise.
+    # The points it keeps, not a measurement taken again: under the suite's load a second measurement seconds later
+    # read half the fitted time (0.59 against 1.20 ms), the load having moved, not the fit.
+    assert 1 << 18 in tp.sizes and tp.seconds[tp.sizes.index(1 << 18)] > 0
+    assert tp.ring(1 << 18, 2) == pytest.approx(tp.seconds[tp.sizes.index(1 << 18)], rel=1.0)
+    mesh = cluster4.mesh(dp=2, tp=2)  # and the points are the groups' all-reduces: the same call answers again
+    assert all(t[0] > 0 for t in cluster4.run(timing.group_all_reduce_seconds, mesh.name, "tp", [1 << 18]))
     step = plan.predicted_step()
     size = plan.batch // plan.dp // plan.microbatches  # samples per micro-batch on a replica
     expected = sum(tp.ring(entry[0] * size, 2) for layer in plan.layers for entry in layer.tp_allreduce_bytes_per_sample

@@ -126,12 +126,13 @@ def busy_cores(name: str):
 
 
 def check_verdicts(name: str, nb) -> None:
-    """Every printed verdict group of an executed lab ends with its load line, and none contradicts its numbers;
-    a lab run loaded must print verdicts."""
+    """No printed verdict of an executed lab contradicts its numbers. A lab run loaded (its verdicts all read
+    timings) must print verdicts, each group of them ending with its load line; other labs' verdicts may read
+    other things (a loss, a count), and carry a load line where they read a timing (not checked here)."""
     lines = printed_lines(nb)
     verdicts = [i for i, line in enumerate(lines) if line.startswith("this run: ")]
     assert verdicts or name not in UNDER_LOAD, f"{name} printed no verdict ('this run: ...')"
-    for i in verdicts:  # each group of verdicts ends with the load it ran under
+    for i in verdicts if name in UNDER_LOAD else ():  # each group of verdicts ends with the load it ran under
         following = next((line for line in lines[i:] if not line.startswith("this run: ")), "")
         assert following.startswith("machine: load "), (name, lines[i], following)
     wrong = {lines[i]: contradictions(lines[i]) for i in verdicts if contradictions(lines[i])}
