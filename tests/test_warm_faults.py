@@ -37,8 +37,13 @@ STARTS = textwrap.dedent('''
     except Exception as e:
         said = f"{{type(e).__name__}}: {{e}}"
     took = time.monotonic() - started
-    left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
-    print(json.dumps({{"said": said, "took": took, "left": [" ".join(p.cmdline()) for p in left],
+    def still_there(p):  # a child may end between the listing and the look (seen in CI: NoSuchProcess)
+        try:
+            return " ".join(p.cmdline()) if p.status() != psutil.STATUS_ZOMBIE else None
+        except psutil.NoSuchProcess:
+            return None
+    left = [c for c in map(still_there, psutil.Process().children(recursive=True)) if c is not None]
+    print(json.dumps({{"said": said, "took": took, "left": left,
                       "sockets": glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-warm-*")),
                       "segments": sorted(set(mpi_segments.segments()) - before - mpi_segments.held())}}))
 ''')
