@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from nbdist.errors import DistUsageError
+from nbdist.units import amount
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,9 @@ class Repeats:
     def __str__(self) -> str:
         unit = _spelled(self.unit)
         if len(self.values) == 1:
-            return f"{_num(self.median)}{unit} (one run)"
-        return (f"{_num(self.median)}{unit} (median of {len(self.values)}, "
-                f"{_num(self.low)}-{_num(self.high)})")
-
-
-def _num(value: float) -> str:
-    """3 significant digits below 100, whole numbers with thousands separators from 100 on: never e-notation."""
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+            return f"{amount(self.median)}{unit} (one run)"
+        return (f"{amount(self.median)}{unit} (median of {len(self.values)}, "
+                f"{amount(self.low)}-{amount(self.high)})")
 
 
 def _spelled(unit: str) -> str:
@@ -147,7 +143,7 @@ def compared(a: Repeats, b: Repeats, name_a: str, name_b: str, lower: str = "fas
     low, high = sorted(((a, name_a), (b, name_b)), key=lambda pair: pair[0].median)
     unit = _spelled(a.unit)
     times = f"{high[0].median / low[0].median:.3g}x" if low[0].median > 0 else "no ratio: a median of 0"
-    return (f"{order(a, b, name_a, name_b, lower)}; {high[1]}'s median is {_num(high[0].median - low[0].median)}"
+    return (f"{order(a, b, name_a, name_b, lower)}; {high[1]}'s median is {amount(high[0].median - low[0].median)}"
             f"{unit} above {low[1]}'s ({times})")
 
 
@@ -168,7 +164,7 @@ def ranking(values: dict[str, float], unit: str, higher: str = "highest") -> str
     unit = _spelled(unit)
     ranked = sorted(values.items(), key=lambda item: item[1], reverse=higher == "highest")
     lowest_word = "lowest" if higher == "highest" else "highest"
-    return (f"from {higher} to {lowest_word}: " + "; ".join(f"{name} {_num(value)}{unit}" for name, value in ranked))
+    return (f"from {higher} to {lowest_word}: " + "; ".join(f"{name} {amount(value)}{unit}" for name, value in ranked))
 
 
 def this_run(*verdicts: str) -> str:

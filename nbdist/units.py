@@ -12,9 +12,10 @@ import math
 BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-def _amount(value: float) -> str:
-    """3 significant digits below 100, whole numbers with thousands separators from 100 on (no e-notation)."""
-    if value == int(value) or value >= 100:
+def amount(value: float) -> str:
+    """3 significant digits below 100, whole numbers with thousands separators from 100 on (no e-notation, negative
+    amounts too)."""
+    if value == int(value) or abs(value) >= 100:
         return f"{value:,.0f}"
     return f"{value:.3g}"
 
@@ -23,7 +24,7 @@ def format_bytes(size: float) -> str:
     """1024 -> '1 KiB', 4194304 -> '4 MiB', 1000 -> '1000 B', 1536 -> '1.5 KiB', 1034000 -> '1,010 KiB'."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if size >= scale:
-            return f"{_amount(size / scale)} {unit}"
+            return f"{amount(size / scale)} {unit}"
     return f"{size:.0f} B"
 
 
@@ -31,8 +32,8 @@ def format_seconds(seconds: float) -> str:
     """A duration in the unit that reads best: '850 µs', '12.3 ms', '4.56 s', '12.5 min', '16.8 h', '2.5 days'."""
     for unit, scale in (("days", 86400), ("h", 3600), ("min", 60), ("s", 1), ("ms", 1e-3)):
         if abs(seconds) >= scale:
-            return f"{_amount(seconds / scale)} {unit}"
-    return f"{_amount(seconds * 1e6)} µs"
+            return f"{amount(seconds / scale)} {unit}"
+    return f"{amount(seconds * 1e6)} µs"
 
 
 def binary_ticks(top: float, most: int = 6) -> tuple[list[float], list[str]]:
